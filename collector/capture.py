@@ -1,0 +1,145 @@
+"""Recording captures on a real GPU: NVML at a fixed rate while a command runs.
+
+The command's step probe writes its events to the file named by ``STEPMEM_EVENTS``; they are
+stored in the capture with their times moved onto the capture's clock, so a replay plays the
+steps together with the memory trace. NVML per-process snapshots are taken twice a second.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from collector.nvml import LiveBackend, NvmlError
+from collector.replay import Capture
+from collector.sampler import Sampler
+
+__all__ = ["record"]
+
+PROCESS_SNAPSHOT_S = 0.5
+
+
+def _capacity(rate_hz: float, seconds: float) -> int:
+    per_s = rate_hz if rate_hz > 0 else 150_000
+    return int(per_s * seconds * 1.2) + 1024
+
+
+def record(
+    out: Path,
+    uuid: str | None,
+    rate_hz: float,
+    command: list[str] | None,
+    duration_s: float | None,
+    max_s: float = 600.0,
+    trim_s: float | None = None,
+    notes: dict[str, Any] | None = None,
+    echo=print,
+) -> Capture:
+    """Sample one GPU while ``command`` runs (or for ``duration_s``) and save a capture.
+
+    The ring is sized for ``max_s`` seconds at ``rate_hz`` (24 bytes a sample); a command still
+    running after ``max_s`` is terminated. ``trim_s`` keeps only the samples from ``trim_s``
+    before the first step event to ``trim_s`` after the last (for compact ``max``-rate captures).
+    """
+    backend = LiveBackend()
+    infos = {d.uuid: d for d in backend.devices()}
+    if uuid is None:
+        uuid = next(iter(infos))
+    if uuid not in infos:
+        raise NvmlError(f"no GPU with UUID {uuid} on this node (have: {', '.join(infos)})")
+    device = backend.open(uuid)
+    seconds = duration_s if command is None else max_s
+    sampler = Sampler(device, rate_hz=rate_hz, capacity=_capacity(rate_hz, seconds))
+    procs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="stepmem-capture-") as tmp:
+        events_path = Path(tmp) / "events.jsonl"
+        env = dict(os.environ, STEPMEM_EVENTS=str(events_path))
+        sampler.start()
+        t0 = sampler.started_ns
+        child = subprocess.Popen(command, env=env) if command else None
+        deadline = time.monotonic() + seconds
+        rc = 0
+        while time.monotonic() < deadline:
+            try:
+                snap = device.processes()
+                procs.append(
+                    {
+                        "t_ns": time.monotonic_ns() - t0,
+                        "procs": [[p.pid, p.used_bytes] for p in snap],
+                    }
+                )
+            except NvmlError:
+                pass  # counted by the funnel; a capture without process lists is still a capture
+            if child is not None and child.poll() is not None:
+                rc = child.returncode
+                break
+            time.sleep(PROCESS_SNAPSHOT_S)
+        else:
+            if child is not None:
+                child.terminate()
+                rc = child.wait()
+        time.sleep(0.2)  # the tail after the command exits
+        sampler.stop()
+        events = []
+        if events_path.exists():
+            for line in events_path.read_text().splitlines():
+                ev = json.loads(line)
+                ev["t_ns"] -= t0
+                events.append(ev)
+    w = sampler.ring.snapshot()
+    if w.lost or sampler.ring.count > sampler.ring.capacity:
+        echo(f"warning: the ring overran; the capture keeps the last {len(w)} samples")
+    if trim_s is not None and events:
+        lo = min(ev["t_ns"] for ev in events) + t0 - int(trim_s * 1e9)
+        hi = max(ev["t_ns"] for ev in events) + t0 + int(trim_s * 1e9)
+        keep = (w.t_ns >= lo) & (w.t_ns <= hi)
+        w = type(w)(w.t_ns[keep], w.used[keep], w.reserved[keep])
+        procs = [p for p in procs if lo <= p["t_ns"] + t0 <= hi]
+    first = int(w.t_ns[0])
+    for ev in events:  # events are on the sampler's clock origin t0; rebase onto the first sample
+        ev["t_ns"] -= first - t0
+    for snap in procs:
+        snap["t_ns"] -= first - t0
+    info = infos[uuid]
+    cap = Capture(
+        t_ns=(w.t_ns - first).astype(np.int64),
+        used=w.used,
+        reserved=w.reserved,
+        device={
+            "uuid": info.uuid,
+            "index": info.index,
+            "name": info.name,
+            "total_bytes": info.total_bytes,
+            "driver": info.driver,
+            "memory_info_version": device.memory_info_version,
+        },
+        rate_hz=rate_hz,
+        command="stepmem capture " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        recorded_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        processes=procs,
+        events=events,
+        notes={
+            "returncode": rc,
+            "samples": len(w),
+            "errors": dict(sampler.errors),
+            "missed_deadlines": sampler.missed,
+            **(notes or {}),
+        },
+    )
+    cap.save(out)
+    span = (w.t_ns[-1] - w.t_ns[0]) / 1e9
+    echo(
+        f"captured {len(w)} samples over {span:.1f} s ({len(w) / max(span, 1e-9):.0f} Hz), "
+        f"{len(events)} step events, command exit {rc} -> {out}"
+    )
+    return cap

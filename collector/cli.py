@@ -1,0 +1,209 @@
+"""The ``stepmem`` command.
+
+    stepmem run        the main job: samplers on every GPU, a workload under the probe, step table
+    stepmem devices    the GPUs NVML (or a replay) shows on this node, by UUID
+    stepmem capture    record an NVML capture on a real GPU while a command runs
+
+A user error (bad flag, missing capture, unknown GPU) prints one line and exits 2; never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+class UserError(Exception):
+    """Something the user can fix: one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + line
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _rate(text: str) -> float:
+    from collector.sampler import parse_rate
+
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", help="the main job (replay backend when there is no GPU)")
+    r.add_argument(
+        "--backend",
+        choices=("auto", "nvml", "replay"),
+        default="auto",
+        help="auto: live NVML when a GPU is present, else replay (default)",
+    )
+    r.add_argument(
+        "--capture",
+        action="append",
+        dest="captures",
+        metavar="NAME|PATH",
+        help="capture(s) to replay (default: adamw_8bit); repeat for several",
+    )
+    r.add_argument("--gpus", type=_positive_int, help="simulated GPUs per node (replay)")
+    r.add_argument("--rate", type=_rate, default=1000.0, help="sampling rate in Hz, or 'max'")
+    r.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed (default 1)")
+    r.add_argument("--steps", type=_positive_int, help="stop after this many steps (replay)")
+    r.add_argument(
+        "--workload",
+        choices=("finetune", "spiky"),
+        default="finetune",
+        help="the workload to run on real GPUs (default finetune)",
+    )
+    r.add_argument("--out", type=Path, help="write step records (JSON) here")
+    r.add_argument(
+        "--address",
+        help="Ray cluster address (default: RAY_ADDRESS, else a local cluster on 127.0.0.1)",
+    )
+    r.add_argument(
+        "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
+    )
+
+    d = sub.add_parser("devices", help="list GPUs on this node by UUID")
+    d.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
+    d.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
+
+    c = sub.add_parser("capture", help="record NVML on a real GPU while a command runs")
+    c.add_argument("--out", type=Path, required=True, help="capture file (.capture.parquet)")
+    c.add_argument("--gpu", metavar="UUID", help="GPU to record (default: NVML's first)")
+    c.add_argument("--rate", type=_rate, default=1000.0, help="Hz, or 'max' (default 1000)")
+    c.add_argument("--duration", type=_positive_float, help="seconds, when no command is given")
+    c.add_argument(
+        "--max-seconds",
+        type=_positive_float,
+        default=600.0,
+        help="stop a command still running after this long (default 600)",
+    )
+    c.add_argument(
+        "--trim",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="keep only SECONDS before the first and after the last step event",
+    )
+    c.add_argument("--note", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, help="after '--': the command to run")
+    return p
+
+
+def _strip_dashes(args: list[str]) -> list[str]:
+    return args[1:] if args and args[0] == "--" else args
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from collector.job import JobOptions, run_job
+
+    opts = JobOptions(
+        backend=ns.backend,
+        captures=ns.captures or ["adamw_8bit"],
+        gpus=ns.gpus,
+        rate_hz=ns.rate,
+        speed=ns.speed,
+        steps=ns.steps,
+        workload=ns.workload,
+        workload_args=_strip_dashes(ns.workload_args),
+        out=ns.out,
+        ray_address=ns.address,
+    )
+    run_job(opts)
+    return 0
+
+
+def _cmd_devices(ns: argparse.Namespace) -> int:
+    if ns.backend == "replay":
+        from collector.replay import ReplayBackend
+
+        backend = ReplayBackend(ns.captures or ["idle"])
+    else:
+        from collector.nvml import LiveBackend
+
+        backend = LiveBackend()
+    for d in backend.devices():
+        print(f"{d.index}  {d.uuid}  {d.name}  {d.total_bytes / (1 << 30):.1f} GiB")
+    return 0
+
+
+def _cmd_capture(ns: argparse.Namespace) -> int:
+    from collector.capture import record
+
+    cmd = _strip_dashes(ns.cmd)
+    if not cmd and ns.duration is None:
+        raise UserError("stepmem capture: give a command after '--' or --duration SECONDS")
+    notes = {}
+    for item in ns.note:
+        if "=" not in item:
+            raise UserError(f"stepmem capture: --note {item!r} is not KEY=VALUE")
+        k, v = item.split("=", 1)
+        notes[k] = v
+    cap = record(
+        ns.out,
+        ns.gpu,
+        ns.rate,
+        cmd or None,
+        ns.duration,
+        max_s=ns.max_seconds,
+        trim_s=ns.trim,
+        notes=notes,
+    )
+    return int(cap.notes.get("returncode", 0) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from collector.nvml import NvmlError
+    from collector.replay import CaptureError
+
+    try:
+        ns = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if ns.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        handler = {"run": _cmd_run, "devices": _cmd_devices, "capture": _cmd_capture}
+        return handler[ns.command](ns)
+    except UserError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (CaptureError, NvmlError, ValueError) as exc:
+        print(f"stepmem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stepmem: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The main job: samplers on every GPU, a workload under the probe, step records out.
+
+On a machine with GPUs it runs a real workload (``finetune`` or ``spiky``) under the step probe
+with live NVML samplers. Without a GPU it runs the same pipeline on the replay backend: sampler
+actors play captures recorded on an H200 and the step events recorded with them are sent again,
+at their recorded times, through the probe's outbox — so the step records match the real run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from collector.placement import BackendSpec, PlacedSampler, find_sampler, launch_samplers
+from collector.probe.core import Outbox
+from collector.records import StepEvent, StepRecord
+from collector.replay import Capture, resolve_capture
+
+__all__ = ["JobOptions", "nontorch_bytes", "run_job"]
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+REPLAY_LEAD_S = 4.0  # time for sampler actors to start before the first replayed step
+
+
+@dataclass
+class JobOptions:
+    backend: str = "auto"  # auto | nvml | replay
+    captures: list[str] = field(default_factory=lambda: ["adamw_8bit"])
+    gpus: int | None = None
+    rate_hz: float = 1000.0
+    speed: float = 1.0
+    steps: int | None = None
+    workload: str = "finetune"
+    workload_args: list[str] = field(default_factory=list)
+    out: Path | None = None
+    ray_address: str | None = None
+
+
+def nvml_available() -> bool:
+    from collector.nvml import LiveBackend, NvmlError
+
+    try:
+        return len(LiveBackend().devices()) > 0
+    except NvmlError:
+        return False
+
+
+def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
+    """The backend spec and the banner line that says plainly which one runs."""
+    kind = opts.backend
+    if kind == "auto":
+        kind = "nvml" if nvml_available() else "replay"
+    if kind == "nvml":
+        return BackendSpec("nvml"), (
+            f"stepmem: live NVML backend, workload {opts.workload}, "
+            f"sampling at {_rate(opts.rate_hz)}"
+        )
+    paths = [str(resolve_capture(c)) for c in opts.captures]
+    caps = ", ".join(Path(p).name.removesuffix(".capture.parquet") for p in paths)
+    spec = BackendSpec("replay", captures=paths, gpus=opts.gpus, speed=opts.speed)
+    why = "no GPU here" if opts.backend == "auto" else "asked for"
+    return spec, (
+        f"stepmem: REPLAY backend ({why}) — playing NVML captures recorded on a real "
+        f"GPU, not this machine: {caps}; {spec.gpus or len(paths)} simulated GPU(s) "
+        f"per node at {opts.speed:g}x speed"
+    )
+
+
+def _rate(rate_hz: float) -> str:
+    return "max rate" if rate_hz == 0 else f"{rate_hz:g} Hz"
+
+
+def nontorch_bytes(rec: dict[str, Any]) -> int | None:
+    """Device memory not held by the torch allocator, beyond the CUDA-context baseline, at step
+    end: NVML ``used`` − torch reserved − baseline. None without torch statistics.
+
+    NVML v2 ``used`` equals CUDA's ``total − free`` from ``mem_get_info`` (both leave out the
+    driver-reserved memory; measured equal on the H200), so the baseline the probe took with
+    ``mem_get_info`` before training subtracts on the same footing."""
+    te = rec.get("torch_end") or {}
+    if "reserved_bytes.all.current" not in te:
+        return None
+    return (
+        rec["nvml_end_bytes"]
+        - te["reserved_bytes.all.current"]
+        - te.get("context_baseline_bytes", 0)
+    )
+
+
+def _init_ray(address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, namespace="stepmem", log_to_driver=True)
+    else:
+        import os
+
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(namespace="stepmem")
+        else:  # a local cluster on loopback only
+            ray.init(
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                namespace="stepmem",
+                configure_logging=False,
+            )
+
+
+def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | None, echo) -> int:
+    """Send each simulated GPU's recorded events at their recorded times. Returns steps sent."""
+    plan: list[tuple[int, dict[str, Any]]] = []
+    for p in placed:
+        cap = Capture.load(spec.captures[p.info["index"] % len(spec.captures)])
+        origin, speed = p.info["replay_origin_ns"], p.info["replay_speed"]
+        for ev in cap.events:
+            if steps is not None and ev["step"] > steps:
+                continue
+            t = origin + int(ev["t_ns"] / speed)
+            plan.append((t, {**ev, "t_ns": t, "gpu_uuid": p.gpu_uuid}))
+    if not plan:
+        raise RuntimeError("the replayed captures hold no step events")
+    plan.sort(key=lambda x: x[0])
+    outbox = Outbox(lambda uuid: find_sampler(uuid), batch_max=1, flush_interval_s=0.0)
+    done = 0
+    for t, ev in plan:
+        delay = (t - time.monotonic_ns()) / 1e9
+        if delay > 0:
+            time.sleep(delay)
+        outbox.put(StepEvent.from_dict(ev))
+        outbox.maybe_flush()
+        if ev["kind"] == "end":
+            done += 1
+            if done % max(1, len(placed)) == 0:
+                echo(f"  replayed step {ev['step']}")
+    outbox.close()
+    if outbox.dropped:
+        echo(
+            f"warning: {sum(outbox.dropped.values())} events could not be sent: "
+            f"{dict(outbox.dropped)}"
+        )
+    return done
+
+
+def _run_live(opts: JobOptions, echo) -> dict[str, Any]:
+    from collector.probe.core import StepProbe
+
+    probe = StepProbe()
+    if opts.workload == "finetune":
+        from workloads import finetune as wl
+    elif opts.workload == "spiky":
+        from workloads import spiky as wl
+    else:
+        raise ValueError(f"unknown workload {opts.workload!r} (finetune, spiky)")
+    args = wl.parser().parse_args(opts.workload_args)
+    if opts.workload == "finetune":
+        args = wl.defaults(args)
+    summary = wl.run(args, probe)
+    probe.close()
+    summary["probe_cost_ns"] = probe.cost_ns
+    summary["probe_devices"] = [str(d) for d in probe.devices]
+    summary["probe_dropped"] = dict(probe.outbox.dropped)
+    echo(f"workload {opts.workload} done: {len(summary['step_times_s'])} steps")
+    return summary
+
+
+def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
+    spec, banner = choose_backend(opts)
+    echo(banner)
+    if spec.kind == "replay":
+        firsts = [
+            min((e["t_ns"] for e in Capture.load(c).events), default=0) for c in spec.captures
+        ]
+        spec.origin_ns = (
+            time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(min(firsts) / spec.speed)
+        )
+    _init_ray(opts.ray_address)
+    placed = launch_samplers(spec, rate_hz=opts.rate_hz)
+    for p in placed:
+        echo(
+            f"sampler {p.name} ({p.info['name']}, {p.info['total_bytes'] / GIB:.1f} GiB, "
+            f"{p.info['backend']})"
+        )
+    summary: dict[str, Any] = {}
+    if spec.kind == "replay":
+        _replay_events(placed, spec, opts.steps, echo)
+    else:
+        summary = _run_live(opts, echo)
+    time.sleep(0.1)
+    records = []
+    for p in placed:
+        records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
+    records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
+    print_table(records, echo)
+    if opts.out:
+        health = ray.get([p.handle.health.remote() for p in placed], timeout=60)
+        doc = {
+            "banner": banner,
+            "records": records,
+            "samplers": [p.info for p in placed],
+            "health": health,
+            "workload": summary,
+        }
+        opts.out.write_text(json.dumps(doc, indent=1))
+        echo(f"step records written to {opts.out}")
+    return records
+
+
+def print_table(records: list[dict[str, Any]], echo=print) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="stepmem: memory per step (GiB)", show_lines=False)
+    for col in (
+        "gpu",
+        "step",
+        "s",
+        "samples",
+        "nvml peak",
+        "nvml end",
+        "alloc peak",
+        "alloc end",
+        "resv peak",
+        "resv end",
+        "non-torch",
+        "opt state",
+        "managed",
+        "gap",
+    ):
+        table.add_column(col, justify="right")
+
+    def g(v: Any) -> str:
+        return "" if v is None else f"{v / GIB:.2f}"
+
+    for r in records:
+        te, led = r.get("torch_end") or {}, r.get("ledger") or {}
+        table.add_row(
+            r["gpu_uuid"][4:12],
+            str(r["step"]),
+            f"{(r['end_ns'] - r['begin_ns']) / 1e9:.2f}",
+            str(r["samples"]),
+            g(r["nvml_peak_bytes"]),
+            g(r["nvml_end_bytes"]),
+            g(r.get("torch_allocated_peak_bytes")),
+            g(te.get("allocated_bytes.all.current")),
+            g(r.get("torch_reserved_peak_bytes")),
+            g(te.get("reserved_bytes.all.current")),
+            g(nontorch_bytes(r)),
+            g(led.get("optimizer_state")),
+            g(led.get("optimizer_state_managed")),
+            r.get("gap", ""),
+        )
+    console = Console(width=160)
+    with console.capture() as cap:
+        console.print(table)
+    echo(cap.get().rstrip())

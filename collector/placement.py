@@ -1,0 +1,319 @@
+"""The sampler actor, launching one per GPU on every node, and looking one up.
+
+Placement rules (see DESIGN.md, "Placement"):
+
+* one actor per physical GPU, ``num_cpus=0, num_gpus=0`` — a fractional GPU request would pack
+  every sampler onto GPU 0's share and could block training workers from being scheduled;
+* pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``;
+* named ``stepmem:<node_id>:<gpu_uuid>`` in namespace ``stepmem``, so any process of the cluster
+  finds the sampler of (its node, its GPU) by name;
+* owned by the launching driver (dies with the job) unless ``detached=True``.
+
+The backend is chosen per actor: ``nvml`` reads the node's GPUs; ``replay`` plays committed
+captures as simulated GPUs (for machines and CI without GPUs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from collector.nvml import LiveBackend, NvmlUnavailable
+from collector.records import StepEvent
+from collector.replay import ReplayBackend
+from collector.sampler import DEFAULT_CAPACITY, Sampler, StepJoiner
+
+__all__ = [
+    "NAMESPACE",
+    "BackendSpec",
+    "SamplerActor",
+    "find_sampler",
+    "launch_samplers",
+    "sampler_name",
+]
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "stepmem"
+JOIN_INTERVAL_S = 0.05
+MAX_EVENTS_PER_CALL = 10_000
+
+
+def sampler_name(node_id: str, gpu_uuid: str) -> str:
+    return f"stepmem:{node_id}:{gpu_uuid}"
+
+
+@dataclass
+class BackendSpec:
+    """Which backend a sampler actor builds, in a form that travels to other processes.
+
+    ``kind`` is ``"nvml"`` or ``"replay"``. For replay: ``captures`` (names or paths), ``gpus``
+    per node (default: one per capture), ``speed`` and ``origin_ns`` (monotonic time at which
+    every replayed GPU of a node starts playing; default: when the launcher ran).
+    """
+
+    kind: str = "nvml"
+    captures: list[str] = field(default_factory=list)
+    gpus: int | None = None
+    speed: float = 1.0
+    origin_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("nvml", "replay"):
+            raise ValueError(f"backend must be 'nvml' or 'replay', got {self.kind!r}")
+        if self.kind == "replay" and not self.captures:
+            raise ValueError("the replay backend needs at least one capture")
+
+    def build(self, node_id: str) -> LiveBackend | ReplayBackend:
+        if self.kind == "nvml":
+            return LiveBackend()
+        return ReplayBackend(
+            self.captures, self.gpus, node_id=node_id, origin_ns=self.origin_ns, speed=self.speed
+        )
+
+
+@ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=0)
+class SamplerActor:
+    """Samples one GPU and joins the step events the training side sends it.
+
+    ``record_events`` is meant to be called fire-and-forget (``actor.record_events.remote(batch)``
+    with the ref dropped): it validates each event, counts what it rejects and never raises.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        gpu_uuid: str,
+        spec: BackendSpec,
+        rate_hz: float = 1000.0,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
+        self.node_id = node_id
+        self.spec = spec
+        self.device = spec.build(node_id).open(gpu_uuid)
+        self.sampler = Sampler(self.device, rate_hz=rate_hz, capacity=capacity)
+        self.joiner = StepJoiner(self.sampler)
+        self.events_received = 0
+        self.events_rejected: Counter[str] = Counter()
+        self.sampler.start()
+        self._stop = threading.Event()
+        self._join_thread = threading.Thread(
+            target=self._join_loop, name="stepmem-join", daemon=True
+        )
+        self._join_thread.start()
+
+    def _join_loop(self) -> None:
+        while not self._stop.wait(JOIN_INTERVAL_S):
+            try:
+                self.joiner.poll()
+            except Exception:  # never let the join thread die silently
+                log.exception("step join failed")
+
+    def info(self) -> dict[str, Any]:
+        d = self.device.info
+        return {
+            "node_id": self.node_id,
+            "gpu_uuid": d.uuid,
+            "index": d.index,
+            "name": d.name,
+            "total_bytes": d.total_bytes,
+            "driver": d.driver,
+            "backend": self.device.backend,
+            "memory_info_version": self.device.memory_info_version,
+            "rate_hz": self.sampler.rate_hz,
+            "capacity": self.sampler.ring.capacity,
+            "ring_bytes": self.sampler.ring.nbytes,
+            "pid": os.getpid(),
+            "started_ns": self.sampler.started_ns,
+            "wall_offset_ns": time.time_ns() - time.monotonic_ns(),
+            "replay_origin_ns": getattr(self.device, "origin_ns", None),
+            "replay_speed": getattr(self.device, "speed", None),
+        }
+
+    def record_events(self, events: list[dict[str, Any]]) -> int:
+        """Take a batch of step events (dicts). Returns how many were accepted."""
+        if not isinstance(events, list):
+            self.events_rejected["malformed"] += 1
+            return 0
+        if len(events) > MAX_EVENTS_PER_CALL:
+            self.events_rejected["batch_too_large"] += len(events)
+            return 0
+        accepted = 0
+        for raw in events:
+            self.events_received += 1
+            try:
+                ev = StepEvent.from_dict(raw)
+            except (ValueError, TypeError):
+                self.events_rejected["malformed"] += 1
+                continue
+            if ev.gpu_uuid != self.device.uuid:
+                self.events_rejected["wrong_gpu"] += 1
+                continue
+            self.joiner.add(ev)
+            accepted += 1
+        return accepted
+
+    def step_records(self, since_step: int = -1, flush: bool = False) -> list[dict[str, Any]]:
+        """Joined step records with ``step > since_step``; ``flush`` joins pending steps now."""
+        self.joiner.poll(force=flush)
+        return [r.to_dict() for r in self.joiner.records if r.step > since_step]
+
+    def last(self) -> tuple[int, int, int] | None:
+        return self.sampler.ring.last()
+
+    def window_stats(self, seconds: float) -> dict[str, int] | None:
+        """Max and min NVML used over the trailing ``seconds`` (ending at the newest sample)."""
+        last = self.sampler.ring.last()
+        if last is None:
+            return None
+        w = self.sampler.ring.window(last[0] - int(seconds * 1e9), last[0])
+        return {
+            "max": int(w.used.max()),
+            "min": int(w.used.min()),
+            "samples": len(w),
+            "begin_ns": int(w.t_ns[0]),
+            "end_ns": int(w.t_ns[-1]),
+        }
+
+    def samples_since(self, seq: int) -> dict[str, Any]:
+        w, nxt = self.sampler.ring.since(seq)
+        return {"t_ns": w.t_ns, "used": w.used, "reserved": w.reserved, "lost": w.lost, "next": nxt}
+
+    def thread_cpu_s(self) -> float:
+        return self.sampler.thread_cpu_s()
+
+    def health(self) -> dict[str, Any]:
+        s = self.sampler
+        return {
+            "alive": s.alive,
+            "stopped_by": s.stopped_by,
+            "samples_total": s.ring.count,
+            "errors": dict(s.errors),
+            "missed_deadlines": s.missed,
+            "rate_hz": s.achieved_rate_hz(),
+            "events_received": self.events_received,
+            "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
+            "steps_pending": self.joiner.pending,
+            "steps_joined": len(self.joiner.records),
+        }
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling, join every pending step, and return the final health."""
+        self.sampler.stop()
+        self._stop.set()
+        self.joiner.poll(force=True)
+        return self.health()
+
+
+@ray.remote(num_cpus=0, num_gpus=0)
+def _node_gpus() -> list[dict[str, Any]]:
+    try:
+        return [d.__dict__ for d in LiveBackend().devices()]
+    except NvmlUnavailable:
+        return []
+
+
+def _alive_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+def _gpus_on(node_id: str, spec: BackendSpec) -> list[dict[str, Any]]:
+    if spec.kind == "replay":
+        return [d.__dict__ for d in spec.build(node_id).devices()]
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return ray.get(_node_gpus.options(scheduling_strategy=strategy).remote(), timeout=60)
+
+
+@dataclass
+class PlacedSampler:
+    node_id: str
+    gpu_uuid: str
+    name: str
+    handle: Any
+    info: dict[str, Any]
+
+
+def launch_samplers(
+    spec: BackendSpec,
+    rate_hz: float = 1000.0,
+    capacity: int = DEFAULT_CAPACITY,
+    detached: bool = False,
+    nodes: list[str] | None = None,
+) -> list[PlacedSampler]:
+    """Place one sampler actor per GPU on every alive node (or on ``nodes``).
+
+    Idempotent: an actor that already exists under the same name is reused, not doubled. Raises
+    ``RuntimeError`` when no node has a GPU for the chosen backend.
+    """
+    if spec.kind == "replay" and spec.origin_ns is None:
+        spec.origin_ns = time.monotonic_ns()
+    placed = []
+    for node_id in nodes or _alive_nodes():
+        for gpu in _gpus_on(node_id, spec):
+            name = sampler_name(node_id, gpu["uuid"])
+            handle = SamplerActor.options(
+                name=name,
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                lifetime="detached" if detached else None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(node_id, gpu["uuid"], spec, rate_hz, capacity)
+            placed.append(PlacedSampler(node_id, gpu["uuid"], name, handle, {}))
+    if not placed:
+        raise RuntimeError(
+            "no GPU found on any alive Ray node for the nvml backend; on a machine without GPUs "
+            "use the replay backend (--backend replay)"
+        )
+    infos = ray.get([p.handle.info.remote() for p in placed], timeout=120)
+    for p, info in zip(placed, infos, strict=True):
+        p.info = info
+    return placed
+
+
+_cache: dict[tuple[str, str], Any] = {}
+_misses: dict[tuple[str, str], float] = {}
+MISS_RETRY_S = 10.0
+
+
+def find_sampler(gpu_uuid: str, node_id: str | None = None) -> Any | None:
+    """The sampler actor for (``node_id`` or this node, ``gpu_uuid``), or None if there is none.
+
+    Found handles are cached for the process's lifetime; a miss is remembered for
+    :data:`MISS_RETRY_S` seconds so a probe without a sampler does not ask the GCS every step.
+    """
+    if node_id is None:
+        node_id = ray.get_runtime_context().get_node_id()
+    key = (node_id, gpu_uuid)
+    if key in _cache:
+        return _cache[key]
+    if time.monotonic() - _misses.get(key, -MISS_RETRY_S) < MISS_RETRY_S:
+        return None
+    try:
+        handle = ray.get_actor(sampler_name(node_id, gpu_uuid), namespace=NAMESPACE)
+    except ValueError:
+        _misses[key] = time.monotonic()
+        return None
+    _cache[key] = handle
+    return handle
+
+
+def forget_samplers() -> None:
+    """Drop cached handles (after ``ray.shutdown`` or in tests)."""
+    _cache.clear()
+    _misses.clear()
+
+
+def list_samplers() -> list[str]:
+    """Names of every live stepmem sampler actor in the cluster."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    return sorted(a.name for a in actors if a.name and a.name.startswith("stepmem:"))

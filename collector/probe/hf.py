@@ -1,0 +1,50 @@
+"""Hugging Face ``Trainer`` adapter.
+
+What a step is here: one optimizer update. Under gradient accumulation ``N`` the Trainer calls
+``on_step_begin`` before the first of the ``N`` micro-batches and ``on_step_end`` after
+``optimizer.step()``, the scheduler step and ``model.zero_grad()`` — so the end-of-step reading
+is taken with gradients already freed (the seed report's readings were taken there too). Steps
+are numbered from 1 (``state.global_step`` after the update).
+
+Phases: ``forward_backward`` (all micro-batches) ends at ``on_pre_optimizer_step``, ``optimizer``
+(``optimizer.step()``) ends at ``on_optimizer_step``, and ``after_optimizer`` (scheduler,
+``zero_grad``) ends with the step. Each phase mark carries the allocator peaks of the phase before
+it, so a step's peak can be placed in forward/backward or in the optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from collector.probe.core import StepProbe
+
+__all__ = ["StepMemCallback"]
+
+
+class StepMemCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[StepMemCallback()])``. Reads every CUDA device the model uses."""
+
+    def __init__(self, probe: StepProbe | None = None) -> None:
+        self.probe = probe or StepProbe()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.probe.watch(kwargs.get("model"), kwargs.get("optimizer"))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.probe.optimizer is None and kwargs.get("optimizer") is not None:
+            self.probe.watch(optimizer=kwargs["optimizer"])
+        self.probe.begin(state.global_step + 1)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.probe.phase("optimizer")
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.probe.phase("after_optimizer")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.probe.end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.probe.close()

@@ -1,0 +1,338 @@
+"""NVML captures recorded on real GPUs, and a backend that plays them.
+
+A capture is one Parquet file (zstd) per recorded GPU:
+
+* columns ``t_ns`` (int64, nanoseconds since the capture's first sample), ``used`` and
+  ``reserved`` (int64 bytes, NVML v2 as :mod:`collector.nvml` documents them);
+* schema metadata key ``stepmem.capture``: JSON with ``format`` (1), ``device`` (uuid, index,
+  name, total_bytes, driver, memory_info_version), ``rate_hz`` requested, ``command`` (the exact
+  command that recorded it), ``recorded_at``, ``processes`` (NVML per-process snapshots:
+  ``[{"t_ns", "procs": [[pid, used_bytes], ...]}]``), ``events`` (the step probe's events, with
+  ``t_ns`` on the capture's clock) and free-form ``notes``.
+
+:class:`ReplayBackend` plays captures through the same interface as
+:class:`collector.nvml.LiveBackend`: ``read()`` returns the value *in force* at the replay clock's
+position — the last captured sample at or before it — so a sampler reading faster than the
+capture was recorded sees every captured value. ``speed`` > 1 plays faster than real time.
+Replayed devices get UUIDs derived from the capture's UUID, the node and the slot, so N simulated
+GPUs on M nodes never collide; the derivation is stable across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from collector.nvml import NvmlGpuLost, NvmlNotFound
+from collector.records import DeviceInfo, MemoryInfo, ProcessMemory
+
+__all__ = [
+    "CAPTURE_DIR",
+    "Capture",
+    "CaptureError",
+    "ReplayBackend",
+    "ReplayDevice",
+    "builtin_captures",
+    "resolve_capture",
+]
+
+META_KEY = b"stepmem.capture"
+FORMAT = 1
+CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
+_NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
+
+
+class CaptureError(ValueError):
+    """A capture file that is missing, unreadable or not a stepmem capture."""
+
+
+@dataclass
+class Capture:
+    """One GPU's recorded NVML trace (plus what else was recorded alongside)."""
+
+    t_ns: np.ndarray
+    used: np.ndarray
+    reserved: np.ndarray
+    device: dict[str, Any]
+    rate_hz: float = 0.0
+    command: str = ""
+    recorded_at: str = ""
+    processes: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def duration_ns(self) -> int:
+        return int(self.t_ns[-1]) if len(self.t_ns) else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.device["total_bytes"])
+
+    def max_in_force(self, begin_ns: int, end_ns: int) -> int:
+        """The largest ``used`` value in force at any time in [begin_ns, end_ns] (capture clock)."""
+        lo = max(0, int(np.searchsorted(self.t_ns, begin_ns, "right")) - 1)
+        hi = int(np.searchsorted(self.t_ns, end_ns, "right"))
+        return int(self.used[lo : max(hi, lo + 1)].max())
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if len(self.t_ns) == 0:
+            raise CaptureError("refusing to save an empty capture")
+        meta = {
+            "format": FORMAT,
+            "device": self.device,
+            "rate_hz": self.rate_hz,
+            "command": self.command,
+            "recorded_at": self.recorded_at,
+            "processes": self.processes,
+            "events": self.events,
+            "notes": self.notes,
+        }
+        table = pa.table(
+            {
+                "t_ns": pa.array(self.t_ns, pa.int64()),
+                "used": pa.array(self.used, pa.int64()),
+                "reserved": pa.array(self.reserved, pa.int64()),
+            }
+        )
+        table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        tmp = path.with_name(path.name + ".tmp")
+        pq.write_table(
+            table,
+            tmp,
+            compression="zstd",
+            compression_level=9,
+            use_dictionary=False,
+            column_encoding=dict.fromkeys(table.column_names, "DELTA_BINARY_PACKED"),
+        )
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Capture:
+        path = Path(path)
+        if not path.is_file():
+            raise CaptureError(f"capture {path} does not exist")
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise CaptureError(f"capture {path} is not a readable Parquet file: {exc}") from None
+        raw = (table.schema.metadata or {}).get(META_KEY)
+        if raw is None:
+            raise CaptureError(
+                f"{path} is a Parquet file but not a stepmem capture (no stepmem.capture metadata)"
+            )
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise CaptureError(f"capture {path} has corrupt metadata") from None
+        if meta.get("format") != FORMAT:
+            raise CaptureError(
+                f"capture {path} has format {meta.get('format')!r}; "
+                f"this stepmem reads format {FORMAT}"
+            )
+        missing = {"t_ns", "used", "reserved"} - set(table.column_names)
+        if missing:
+            raise CaptureError(f"capture {path} lacks columns {sorted(missing)}")
+        t = table.column("t_ns").to_numpy().astype(np.int64)
+        if len(t) == 0:
+            raise CaptureError(f"capture {path} holds no samples")
+        if np.any(np.diff(t) < 0):
+            raise CaptureError(f"capture {path} has timestamps out of order")
+        dev = meta.get("device") or {}
+        if not dev.get("uuid") or not dev.get("total_bytes"):
+            raise CaptureError(f"capture {path} does not name its device's uuid and total_bytes")
+        return cls(
+            t_ns=t,
+            used=table.column("used").to_numpy().astype(np.int64),
+            reserved=table.column("reserved").to_numpy().astype(np.int64),
+            device=dev,
+            rate_hz=float(meta.get("rate_hz", 0.0)),
+            command=meta.get("command", ""),
+            recorded_at=meta.get("recorded_at", ""),
+            processes=meta.get("processes", []),
+            events=meta.get("events", []),
+            notes=meta.get("notes", {}),
+            name=path.name.removesuffix(".parquet").removesuffix(".capture"),
+        )
+
+
+def builtin_captures() -> dict[str, Path]:
+    """The captures committed with stepmem, by short name (``idle``, ``adamw_8bit``, ...)."""
+    return {
+        p.name.removesuffix(".capture.parquet"): p
+        for p in sorted(CAPTURE_DIR.glob("*.capture.parquet"))
+    }
+
+
+def resolve_capture(name_or_path: str) -> Path:
+    """A committed capture's short name, or a path. Raises :class:`CaptureError`."""
+    builtin = builtin_captures()
+    if name_or_path in builtin:
+        return builtin[name_or_path]
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    known = ", ".join(builtin) or "none"
+    raise CaptureError(
+        f"capture {name_or_path!r} is neither a file nor a committed capture (committed: {known})"
+    )
+
+
+def replay_uuid(capture_uuid: str, node_id: str, slot: int) -> str:
+    """The UUID a replayed GPU gets: stable, NVML-shaped, distinct per node and slot."""
+    return "GPU-" + str(uuidlib.uuid5(_NAMESPACE, f"{capture_uuid}/{node_id}/{slot}"))
+
+
+class ReplayDevice:
+    """A captured GPU played back on the monotonic clock from ``origin_ns``."""
+
+    backend = "replay"
+
+    def __init__(
+        self,
+        capture: Capture,
+        info: DeviceInfo,
+        origin_ns: int,
+        speed: float = 1.0,
+        loop: bool = True,
+        clock=time.monotonic_ns,
+    ) -> None:
+        if not speed > 0:
+            raise ValueError(f"replay speed must be > 0, got {speed}")
+        self.capture = capture
+        self.info = info
+        self.origin_ns = origin_ns
+        self.speed = speed
+        self.loop = loop
+        self._clock = clock
+        self._t = capture.t_ns
+        self._used = capture.used.tolist()
+        self._reserved = capture.reserved.tolist()
+        self._period = capture.duration_ns + max(
+            1, int(np.median(np.diff(capture.t_ns))) if len(capture.t_ns) > 1 else 1
+        )
+        self.memory_info_version = int(capture.device.get("memory_info_version", 2))
+        self._lost_at_ns: int | None = None
+
+    @property
+    def uuid(self) -> str:
+        return self.info.uuid
+
+    def position_ns(self, t_ns: int | None = None) -> int:
+        """Where on the capture's clock the replay is at monotonic time ``t_ns`` (default: now)."""
+        pos = int(((self._clock() if t_ns is None else t_ns) - self.origin_ns) * self.speed)
+        if pos < 0:
+            return 0
+        return pos % self._period if self.loop else pos
+
+    def monotonic_of(self, capture_t_ns: int, lap: int = 0) -> int:
+        """The monotonic time at which the replay reaches ``capture_t_ns`` (on lap ``lap``)."""
+        return self.origin_ns + int((capture_t_ns + lap * self._period) / self.speed)
+
+    def lose_at(self, t_ns: int) -> None:
+        """Fault injection: from monotonic ``t_ns`` on, every read raises ``NvmlGpuLost``."""
+        self._lost_at_ns = t_ns
+
+    def _index(self) -> int:
+        now = self._clock()
+        if self._lost_at_ns is not None and now >= self._lost_at_ns:
+            raise NvmlGpuLost(f"{self.uuid}: GPU is lost (replayed fault)")
+        return max(0, int(np.searchsorted(self._t, self.position_ns(now), "right")) - 1)
+
+    def read(self) -> tuple[int, int]:
+        i = self._index()
+        return self._used[i], self._reserved[i]
+
+    def memory(self) -> MemoryInfo:
+        used, reserved = self.read()
+        total = self.capture.total_bytes
+        return MemoryInfo(
+            total=total,
+            free=max(0, total - used - reserved),
+            used=used,
+            reserved=reserved,
+            version=self.memory_info_version,
+        )
+
+    def processes(self) -> list[ProcessMemory]:
+        snaps = self.capture.processes
+        if not snaps:
+            return []
+        pos = self.position_ns()
+        chosen = snaps[0]
+        for snap in snaps:
+            if snap["t_ns"] <= pos:
+                chosen = snap
+        return [ProcessMemory(pid=int(pid), used_bytes=used) for pid, used in chosen["procs"]]
+
+
+class ReplayBackend:
+    """Simulated GPUs playing captures: GPU ``k`` of a node plays ``captures[k % len]``."""
+
+    name = "replay"
+
+    def __init__(
+        self,
+        captures: list[str | Path],
+        gpus: int | None = None,
+        node_id: str = "local",
+        origin_ns: int | None = None,
+        speed: float = 1.0,
+        loop: bool = True,
+    ) -> None:
+        if not captures:
+            raise CaptureError("replay needs at least one capture")
+        self.captures = [Capture.load(resolve_capture(str(c))) for c in captures]
+        self.gpus = len(self.captures) if gpus is None else gpus
+        if self.gpus < 1:
+            raise ValueError(f"replay needs at least 1 simulated GPU, got {self.gpus}")
+        if not speed > 0:
+            raise ValueError(f"replay speed must be > 0, got {speed}")
+        self.node_id = node_id
+        self.origin_ns = time.monotonic_ns() if origin_ns is None else origin_ns
+        self.speed = speed
+        self.loop = loop
+
+    def devices(self) -> list[DeviceInfo]:
+        out = []
+        for k in range(self.gpus):
+            cap = self.captures[k % len(self.captures)]
+            out.append(
+                DeviceInfo(
+                    uuid=replay_uuid(cap.device["uuid"], self.node_id, k),
+                    index=k,
+                    name=f"{cap.device.get('name', 'GPU')} (replay of {cap.name})",
+                    total_bytes=cap.total_bytes,
+                    driver=cap.device.get("driver", ""),
+                )
+            )
+        return out
+
+    def capture_for(self, uuid: str) -> Capture:
+        for k, info in enumerate(self.devices()):
+            if info.uuid == uuid:
+                return self.captures[k % len(self.captures)]
+        raise NvmlNotFound(f"no replayed GPU with UUID {uuid} on node {self.node_id}")
+
+    def open(self, uuid: str) -> ReplayDevice:
+        for k, info in enumerate(self.devices()):
+            if info.uuid == uuid:
+                return ReplayDevice(
+                    self.captures[k % len(self.captures)],
+                    info,
+                    self.origin_ns,
+                    self.speed,
+                    self.loop,
+                )
+        raise NvmlNotFound(f"no replayed GPU with UUID {uuid} on node {self.node_id}")

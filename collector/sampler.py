@@ -1,0 +1,450 @@
+"""The sampling thread, its ring buffer, window queries and the step join.
+
+Buffer behaviour
+    :class:`RingBuffer` preallocates three int64 columns (timestamp, used, reserved): **24 bytes a
+    sample**, fixed at construction. The default capacity, 2**20 samples, is 24 MiB and holds
+    17.5 minutes at 1 kHz (10.5 s at the ≈100 kHz of ``max``). When full, the oldest samples are
+    overwritten; anything that must keep every sample (the run store) drains it with
+    :meth:`RingBuffer.since` faster than it wraps, and that call reports what it lost.
+
+Concurrency
+    One writer (the sampling thread), any number of readers, no lock on the write path. The
+    writer fills a slot and then publishes it by advancing ``count`` (an int assignment, atomic
+    under the GIL). A reader takes ``count`` first, copies, then takes ``count`` again and drops
+    whatever the writer may have overwritten meanwhile — the sequence-lock pattern.
+
+Latency impact
+    The sampling thread holds the GIL for the NVML call wrapper and three array stores (≈1 µs
+    beyond the NVML call itself). At 1 kHz that is ≈1-2 % of one core; at ``max`` it takes what
+    NVML gives.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from collector.nvml import NvmlError, NvmlGpuLost
+from collector.records import StepEvent, StepRecord
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "MAX_RATE",
+    "RingBuffer",
+    "SampleWindow",
+    "Sampler",
+    "StepJoiner",
+    "parse_rate",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY = 1 << 20
+FIRST_PHASE = "forward_backward"
+MAX_RATE = 0.0  # "max": sample back to back, as fast as NVML answers
+_NS = 1_000_000_000
+MAX_SLEEP_NS = 50_000_000
+
+
+def parse_rate(value: str | float) -> float:
+    """``"max"`` → :data:`MAX_RATE`; a positive number of Hz otherwise. ``ValueError`` names why."""
+    if isinstance(value, str):
+        if value.strip().lower() == "max":
+            return MAX_RATE
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"rate {value!r} is neither a number of Hz nor 'max'") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"rate must be > 0 Hz (or 'max'), got {value}")
+    if value > 1_000_000:
+        raise ValueError(f"rate {value:g} Hz is above 1 MHz; use 'max' to sample back to back")
+    return float(value)
+
+
+class Device(Protocol):
+    """What the sampler needs from a backend device (live NVML or replay)."""
+
+    uuid: str
+
+    def read(self) -> tuple[int, int]: ...
+
+
+@dataclass
+class SampleWindow:
+    """Samples copied out of the ring: parallel int64 arrays, oldest first."""
+
+    t_ns: np.ndarray
+    used: np.ndarray
+    reserved: np.ndarray
+    lost: int = 0  # samples that were overwritten before this read could copy them
+
+    def __len__(self) -> int:
+        return len(self.t_ns)
+
+
+class RingBuffer:
+    """Fixed-size ring of (t_ns, used, reserved) samples. See the module docstring."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 2:
+            raise ValueError(f"ring capacity must be >= 2, got {capacity}")
+        self.capacity = capacity
+        # array.array stores are ~3x cheaper than numpy scalar stores; numpy views share memory.
+        self._t = array.array("q", bytes(8 * capacity))
+        self._u = array.array("q", bytes(8 * capacity))
+        self._r = array.array("q", bytes(8 * capacity))
+        self._tv = np.frombuffer(self._t, dtype=np.int64)
+        self._uv = np.frombuffer(self._u, dtype=np.int64)
+        self._rv = np.frombuffer(self._r, dtype=np.int64)
+        self.count = 0  # samples ever written; the next one goes to count % capacity
+
+    @property
+    def nbytes(self) -> int:
+        return 24 * self.capacity
+
+    def append(self, t_ns: int, used: int, reserved: int) -> None:
+        i = self.count % self.capacity
+        self._t[i] = t_ns
+        self._u[i] = used
+        self._r[i] = reserved
+        self.count += 1
+
+    def __len__(self) -> int:
+        return min(self.count, self.capacity)
+
+    def last(self) -> tuple[int, int, int] | None:
+        n = self.count
+        if n == 0:
+            return None
+        i = (n - 1) % self.capacity
+        return int(self._t[i]), int(self._u[i]), int(self._r[i])
+
+    def _copy(self, start: int, stop: int) -> SampleWindow:
+        """Copy samples with sequence numbers in [start, stop), dropping overwritten ones."""
+        cap = self.capacity
+        lost = 0
+        if start < stop - cap:
+            lost = stop - cap - start
+            start = stop - cap
+        if start >= stop:
+            return SampleWindow(*(np.empty(0, np.int64) for _ in range(3)), lost=lost)
+        a, b = start % cap, stop % cap
+        if a < b or b == 0:
+            end = cap if b == 0 else b
+            cols = [v[a:end].copy() for v in (self._tv, self._uv, self._rv)]
+        else:
+            cols = [np.concatenate((v[a:], v[:b])) for v in (self._tv, self._uv, self._rv)]
+        after = self.count
+        overwritten = after - cap - start
+        if overwritten > 0:  # the writer lapped the reader during the copy
+            cols = [c[overwritten:] for c in cols]
+            lost += overwritten
+        return SampleWindow(*cols, lost=lost)
+
+    def since(self, seq: int) -> tuple[SampleWindow, int]:
+        """Every sample written from sequence number ``seq`` on, and the sequence to pass next."""
+        stop = self.count
+        return self._copy(seq, stop), stop
+
+    def snapshot(self) -> SampleWindow:
+        """Every sample still held, oldest first."""
+        stop = self.count
+        return self._copy(max(0, stop - self.capacity), stop)
+
+    def _seq_of(self, t_ns: int, side: str) -> tuple[int, int]:
+        """Binary search over held sequence numbers by timestamp (timestamps never decrease).
+
+        Returns (seq, first held seq): the first seq whose t_ns is >= (``left``) or > (``right``)
+        ``t_ns``. No copy is made.
+        """
+        stop = self.count
+        first = max(0, stop - self.capacity)
+        tv, cap = self._tv, self.capacity
+        finder = bisect.bisect_left if side == "left" else bisect.bisect_right
+        return finder(range(first, stop), t_ns, key=lambda s: int(tv[s % cap])) + first, first
+
+    def oldest_t_ns(self) -> int | None:
+        """Timestamp of the oldest sample still held."""
+        if self.count == 0:
+            return None
+        return int(self._tv[max(0, self.count - self.capacity) % self.capacity])
+
+    def window(self, begin_ns: int, end_ns: int) -> SampleWindow:
+        """Samples with ``begin_ns <= t_ns <= end_ns`` (copies only those)."""
+        lo, _ = self._seq_of(begin_ns, "left")
+        hi, _ = self._seq_of(end_ns, "right")
+        w = self._copy(lo, max(lo, hi))
+        w.lost = 0
+        return w
+
+    def value_after(self, t_ns: int) -> tuple[int, int, int] | None:
+        """The first sample at or after ``t_ns``, or None."""
+        seq, _ = self._seq_of(t_ns, "left")
+        if seq >= self.count:
+            return None
+        i = seq % self.capacity
+        return int(self._tv[i]), int(self._uv[i]), int(self._rv[i])
+
+    def value_at(self, t_ns: int) -> tuple[int, int, int] | None:
+        """The last sample at or before ``t_ns`` (the value in force then), or None."""
+        seq, first = self._seq_of(t_ns, "right")
+        if seq - 1 < first:
+            return None
+        i = (seq - 1) % self.capacity
+        return int(self._tv[i]), int(self._uv[i]), int(self._rv[i])
+
+
+class Sampler:
+    """A dedicated thread reading one device into a :class:`RingBuffer`.
+
+    The loop keeps its schedule: the k-th deadline is ``start + k * period`` on the monotonic
+    clock, the thread sleeps the remainder, and a deadline already missed by more than a period is
+    skipped (counted in ``missed``) rather than made up in a burst. Each sample carries the
+    ``time.monotonic_ns()`` taken right after NVML answered — the rate is measured, not assumed.
+
+    Errors are counted by kind and the loop goes on; a lost GPU stops the loop (``stopped_by``).
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        rate_hz: float = 1000.0,
+        capacity: int = DEFAULT_CAPACITY,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.device = device
+        self.rate_hz = rate_hz
+        self.ring = RingBuffer(capacity)
+        self.errors: Counter[str] = Counter()
+        self.missed = 0
+        self.started_ns = 0
+        self.stopped_by = ""
+        self._clock = clock
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._last_error_log = 0
+
+    @property
+    def period_ns(self) -> int:
+        return 0 if self.rate_hz == MAX_RATE else int(_NS / self.rate_hz)
+
+    @property
+    def gap_threshold_ns(self) -> int:
+        """Two samples further apart than this mark a ``stall`` in a step window."""
+        return max(20 * self.period_ns, 20_000_000)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("sampler already started")
+        self.started_ns = self._clock()
+        self._running = True
+        self._thread = threading.Thread(
+            target=self._run, name=f"stepmem-sampler-{self.device.uuid}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the sampling thread has used (Linux: the thread's own CPU clock)."""
+        if self._thread is None or self._thread.ident is None or not self._thread.is_alive():
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _record_error(self, err: NvmlError) -> None:
+        self.errors[err.kind] += 1
+        now = time.monotonic()
+        if now - self._last_error_log > 10:  # say it, but not 1000 times a second
+            self._last_error_log = now
+            log.warning(
+                "sampler %s: %s (%d %s errors so far)",
+                self.device.uuid,
+                err,
+                self.errors[err.kind],
+                err.kind,
+            )
+
+    def _run(self) -> None:
+        read, append, clock = self.device.read, self.ring.append, self._clock
+        period = self.period_ns
+        sleep, max_sleep = time.sleep, MAX_SLEEP_NS
+        deadline = clock()
+        while self._running:
+            try:
+                used, reserved = read()
+                append(clock(), used, reserved)
+            except NvmlGpuLost as err:
+                self._record_error(err)
+                self.stopped_by = err.kind
+                return
+            except NvmlError as err:
+                self._record_error(err)
+            except Exception as err:  # a bug in a backend must not kill sampling silently
+                self.errors["internal"] += 1
+                log.exception("sampler %s: unexpected error: %s", self.device.uuid, err)
+            if period:
+                deadline += period
+                now = clock()
+                if now >= deadline:
+                    late = (now - deadline) // period
+                    if late:
+                        self.missed += late
+                        deadline += late * period
+                    continue
+                # time.sleep is one clock_nanosleep; Event.wait costs a lock and a condition
+                # more per wake. Long periods sleep in slices so stop() is never slow.
+                while self._running and now < deadline:
+                    sleep(min(deadline - now, max_sleep) / _NS)
+                    now = clock()
+
+    def achieved_rate_hz(self, over_s: float = 5.0) -> float:
+        """Samples per second over the last ``over_s`` seconds (or since start, if shorter)."""
+        snap_last = self.ring.last()
+        if snap_last is None:
+            return 0.0
+        now = snap_last[0]
+        w = self.ring.window(now - int(over_s * _NS), now)
+        if len(w) < 2:
+            return 0.0
+        return (len(w) - 1) * _NS / float(w.t_ns[-1] - w.t_ns[0])
+
+
+def _step_peak(key: str, marks: list[StepEvent], end: StepEvent) -> int | None:
+    values = [m.torch[key] for m in (*marks, end) if key in m.torch]
+    return max(values) if values else None
+
+
+class StepJoiner:
+    """Pairs step events into windows and joins them with a sampler's ring into StepRecords.
+
+    A step is joined once the sampler has a sample at or after its end (so the window is
+    complete); until then it waits in ``pending``. Events that cannot be paired (an ``end``
+    without a ``begin``) are counted in ``rejected``.
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.records: list[StepRecord] = []
+        self.rejected: Counter[str] = Counter()
+        self._open: dict[int, tuple[StepEvent, list[StepEvent]]] = {}
+        self._pending: list[tuple[StepEvent, StepEvent, list[StepEvent]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, ev: StepEvent) -> None:
+        with self._lock:
+            if ev.kind == "begin":
+                self._open[ev.step] = (ev, [])
+            elif ev.kind == "phase":
+                if ev.step not in self._open:
+                    self.rejected["phase_without_begin"] += 1
+                    return
+                self._open[ev.step][1].append(ev)
+            else:
+                opened = self._open.pop(ev.step, None)
+                if opened is None:
+                    self.rejected["end_without_begin"] += 1
+                    return
+                if ev.t_ns < opened[0].t_ns:
+                    self.rejected["end_before_begin"] += 1
+                    return
+                self._pending.append((opened[0], ev, opened[1]))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def poll(self, force: bool = False) -> list[StepRecord]:
+        """Join every pending step whose window the sampler has covered; ``force`` joins all."""
+        last = self.sampler.ring.last()
+        newest = last[0] if last else 0
+        with self._lock:
+            ready, waiting = [], []
+            for p in self._pending:
+                (ready if force or p[1].t_ns < newest else waiting).append(p)
+            self._pending = waiting
+        out = [self.join(b, e, ph) for b, e, ph in ready]
+        self.records.extend(out)
+        return out
+
+    def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:
+        ring, sampler = self.sampler.ring, self.sampler
+        w = ring.window(begin.t_ns, end.t_ns)
+        oldest = ring.oldest_t_ns()
+        gap = ""
+        if len(w) == 0:
+            gap = "no_samples"
+        elif sampler.started_ns > begin.t_ns:
+            gap = "sampler_started"
+        elif ring.count > ring.capacity and oldest is not None and oldest > begin.t_ns:
+            gap = "overrun"
+        else:
+            edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
+            if len(edges) > 1 and int(np.diff(edges).max()) > sampler.gap_threshold_ns:
+                gap = "stall"
+        at_end = ring.value_after(end.t_ns)
+        if at_end is None or at_end[0] - end.t_ns > sampler.gap_threshold_ns:
+            at_end = ring.value_at(end.t_ns)
+        if len(w):
+            k = int(np.argmax(w.used))
+            peak, peak_t, low = int(w.used[k]), int(w.t_ns[k]), int(w.used.min())
+        else:
+            peak = peak_t = low = 0
+        return StepRecord(
+            gpu_uuid=begin.gpu_uuid,
+            step=begin.step,
+            begin_ns=begin.t_ns,
+            end_ns=end.t_ns,
+            samples=len(w),
+            nvml_peak_bytes=peak,
+            nvml_peak_t_ns=peak_t,
+            nvml_min_bytes=low,
+            nvml_end_bytes=at_end[1] if at_end else 0,
+            nvml_reserved_bytes=at_end[2] if at_end else 0,
+            gap=gap,
+            torch_allocated_peak_bytes=_step_peak("allocated_bytes.all.peak", phases, end),
+            torch_reserved_peak_bytes=_step_peak("reserved_bytes.all.peak", phases, end),
+            torch_begin=dict(begin.torch),
+            torch_end=dict(end.torch),
+            phases=self._phases(begin, end, phases),
+            ledger=dict(end.ledger),
+        )
+
+    def _phases(self, begin: StepEvent, end: StepEvent, marks: list[StepEvent]) -> list[dict]:
+        """Per-phase peaks. The segment before the first mark is ``first_phase`` (named by the
+        begin event's ``phase``, default ``forward_backward``); each mark starts the phase it names
+        and carries the allocator peaks of the segment it closes."""
+        if not marks:
+            return []
+        starts = [(begin.t_ns, begin.phase or FIRST_PHASE), *((m.t_ns, m.phase) for m in marks)]
+        closers = [*marks, end]
+        out = []
+        for (t0, name), closer in zip(starts, closers, strict=True):
+            w = self.sampler.ring.window(t0, closer.t_ns)
+            out.append(
+                {
+                    "phase": name,
+                    "begin_ns": t0,
+                    "end_ns": closer.t_ns,
+                    "nvml_peak_bytes": int(w.used.max()) if len(w) else 0,
+                    "torch_allocated_peak_bytes": closer.torch.get("allocated_bytes.all.peak", 0),
+                    "torch_reserved_peak_bytes": closer.torch.get("reserved_bytes.all.peak", 0),
+                }
+            )
+        return out

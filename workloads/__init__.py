@@ -1,0 +1,1 @@
+"""Real training workloads for stepmem: ``finetune`` (the seed scenario) and ``spiky``."""

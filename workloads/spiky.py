@@ -1,0 +1,122 @@
+"""A workload whose memory rises and falls inside each step, by a known amount.
+
+Each step: a resident working set (``--base-mib``) does a little matrix work, then one transient
+buffer of a known size is allocated, filled on the GPU, held for a known time, freed, and the
+allocator cache is released with ``torch.cuda.empty_cache()`` before the step ends — so NVML falls
+back and the step's within-step NVML peak exceeds its end-of-step reading by the transient's size.
+Step ``i`` uses transient ``i mod len(--spikes)``.
+
+torch's within-step *reserved* peak (reset at step begin) plus the CUDA-context baseline is the
+exact reference for what NVML should have seen at the peak.
+
+    python -m workloads.spiky --steps 120 --spikes 2048:2,1024:5,4096:20,512:50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+
+
+def parse_spikes(text: str) -> list[tuple[int, float]]:
+    """``"SIZE_MIB:HOLD_MS,..."`` → [(bytes, seconds)]; ``ValueError`` names a bad part."""
+    out = []
+    for part in text.split(","):
+        try:
+            size, hold = part.split(":")
+            mib, ms = int(size), float(hold)
+        except ValueError:
+            raise ValueError(f"spike {part!r} is not SIZE_MIB:HOLD_MS") from None
+        if mib <= 0 or ms < 0:
+            raise ValueError(f"spike {part!r}: size must be > 0 MiB and hold >= 0 ms")
+        out.append((mib * MIB, ms / 1000))
+    return out
+
+
+def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    spikes = parse_spikes(args.spikes)
+    base = torch.randn(args.base_mib * MIB // 4, device=dev)
+    w = torch.randn(1024, 1024, device=dev)
+    out = torch.empty(1024, 1024, device=dev)  # preallocated: only the transient comes and goes
+    times, plan = [], []
+    for i in range(args.steps):
+        size, hold = spikes[i % len(spikes)]
+        t0 = time.perf_counter()
+        if probe is not None:
+            probe.begin(i + 1)
+        torch.matmul(base[: 1024 * 1024].view(1024, 1024), w, out=out)  # a little real work
+        tmp = torch.empty(size // 4, device=dev)
+        tmp.fill_(1.0)  # touch it on the device
+        if cuda:
+            torch.cuda.synchronize()
+        time.sleep(hold)
+        del tmp
+        if cuda:
+            torch.cuda.empty_cache()  # hand the transient back to the driver: NVML falls
+        if probe is not None:
+            probe.end()
+        times.append(time.perf_counter() - t0)
+        plan.append({"step": i + 1, "spike_bytes": size, "hold_s": hold})
+        if args.pause_ms:
+            time.sleep(args.pause_ms / 1000)
+    return {
+        "workload": "spiky",
+        "steps": args.steps,
+        "base_bytes": args.base_mib * MIB,
+        "plan": plan,
+        "step_times_s": times,
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spiky", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--spikes",
+        default="2048:2,1024:5,4096:20,512:50",
+        help="transients as SIZE_MIB:HOLD_MS, comma-separated, used in turn",
+    )
+    p.add_argument("--base-mib", type=int, default=1024, help="resident working set (MiB)")
+    p.add_argument("--pause-ms", type=float, default=10.0, help="idle time between steps")
+    p.add_argument("--no-probe", action="store_true")
+    p.add_argument("--summary", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        parse_spikes(args.spikes)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.steps < 1 or args.base_mib < 1:
+        p.error("--steps and --base-mib must be >= 1")
+    from collector.probe.core import StepProbe
+
+    probe = None if args.no_probe else StepProbe()
+    summary = run(args, probe)
+    if probe is not None:
+        probe.close()
+        summary["probe_cost_ns"] = probe.cost_ns
+    text = json.dumps(summary, indent=1)
+    if args.summary:
+        args.summary.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
