@@ -27,7 +27,7 @@ __all__ = ["JobOptions", "nontorch_bytes", "run_job"]
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-REPLAY_LEAD_S = 4.0  # time for sampler actors to start before the first replayed step
+REPLAY_LEAD_S = 0.5  # lead between aligning replayed GPUs and the first replayed step
 
 
 @dataclass
@@ -128,7 +128,7 @@ def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | 
     if not plan:
         raise RuntimeError("the replayed captures hold no step events")
     plan.sort(key=lambda x: x[0])
-    outbox = Outbox(lambda uuid: find_sampler(uuid), batch_max=1, flush_interval_s=0.0)
+    outbox = Outbox(lambda uuid: find_sampler(uuid), batch_max=1, flush_interval_s=0.05)
     done = 0
     for t, ev in plan:
         delay = (t - time.monotonic_ns()) / 1e9
@@ -174,13 +174,6 @@ def _run_live(opts: JobOptions, echo) -> dict[str, Any]:
 def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
     echo(banner)
-    if spec.kind == "replay":
-        firsts = [
-            min((e["t_ns"] for e in Capture.load(c).events), default=0) for c in spec.captures
-        ]
-        spec.origin_ns = (
-            time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(min(firsts) / spec.speed)
-        )
     _init_ray(opts.ray_address)
     placed = launch_samplers(spec, rate_hz=opts.rate_hz)
     for p in placed:
@@ -190,6 +183,15 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         )
     summary: dict[str, Any] = {}
     if spec.kind == "replay":
+        # Align playback now that every sampler runs: the first recorded step starts in
+        # REPLAY_LEAD_S seconds on every replayed GPU.
+        first = min(
+            min((e["t_ns"] for e in Capture.load(c).events), default=0) for c in spec.captures
+        )
+        origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / spec.speed)
+        ray.get([p.handle.replay_from.remote(origin) for p in placed], timeout=60)
+        for p in placed:
+            p.info["replay_origin_ns"] = origin
         _replay_events(placed, spec, opts.steps, echo)
     else:
         summary = _run_live(opts, echo)

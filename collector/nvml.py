@@ -33,6 +33,7 @@ import ctypes
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "NvmlUnknown",
     "call",
     "map_error",
+    "open_reader",
 ]
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,6 @@ def call(name: str, *args: Any) -> Any:
     Raises the typed :class:`NvmlError` subclass for the failure, after counting it. A function
     missing from the installed library is logged once and raised as :class:`NvmlNotSupported`.
     """
-    _ensure_init()
     nv = _pynvml()
     fn = getattr(nv, name, None)
     if fn is None:
@@ -177,6 +178,7 @@ def call(name: str, *args: Any) -> Any:
             _missing_logged.add(name)
             log.warning("pynvml has no %s; treating it as not supported", name)
         raise _count(NvmlNotSupported(f"{name}: missing from pynvml"))
+    _ensure_init()
     try:
         return fn(*args)
     except nv.NVMLError as exc:
@@ -203,17 +205,20 @@ class _MemoryReader:
     one struct and one function pointer, and still maps errors through the funnel.
     """
 
-    def __init__(self, handle: Any, version: int) -> None:
+    def __init__(
+        self, handle: Any, version: int, resolve: Callable[[str], Any] | None = None
+    ) -> None:
         nv = _pynvml()
+        resolve = resolve or _function_pointer
         self.version = version
         self._handle = handle
         if version == 2:
             self._struct = nv.c_nvmlMemory_v2_t()
             self._struct_version = nv.nvmlMemory_v2
-            self._fn = _function_pointer("nvmlDeviceGetMemoryInfo_v2")
+            self._fn = resolve("nvmlDeviceGetMemoryInfo_v2")
         else:
             self._struct = nv.c_nvmlMemory_t()
-            self._fn = _function_pointer("nvmlDeviceGetMemoryInfo")
+            self._fn = resolve("nvmlDeviceGetMemoryInfo")
         self._ref = ctypes.byref(self._struct)
 
     def read(self) -> tuple[int, int]:
@@ -274,10 +279,15 @@ class LiveDevice:
         return [ProcessMemory(pid=int(p.pid), used_bytes=p.usedGpuMemory) for p in procs]
 
 
-def _open_reader(handle: Any) -> _MemoryReader:
-    """The v2 reader when the driver answers it, else v1 (recorded on the reader)."""
+def open_reader(handle: Any, resolve: Callable[[str], Any] | None = None) -> _MemoryReader:
+    """The v2 reader when the driver answers it, else v1 (the version is kept on the reader).
+
+    ``resolve(name)`` gives the C function for a symbol (default: libnvidia-ml's, through the
+    funnel); tests pass their own. A driver without the ``_v2`` symbol, or one answering
+    not-supported or a version mismatch, gets v1.
+    """
     try:
-        reader = _MemoryReader(handle, 2)
+        reader = _MemoryReader(handle, 2, resolve)
         reader.read()
         return reader
     except NvmlNotSupported:
@@ -285,7 +295,7 @@ def _open_reader(handle: Any) -> _MemoryReader:
             "nvmlDeviceGetMemoryInfo_v2 not supported: falling back to v1 "
             "('used' then includes driver-reserved memory)"
         )
-        return _MemoryReader(handle, 1)
+        return _MemoryReader(handle, 1, resolve)
 
 
 class LiveBackend:
@@ -323,5 +333,5 @@ class LiveBackend:
             raise NvmlNotFound(f"no GPU with UUID {uuid} on this node") from exc
         index = int(call("nvmlDeviceGetIndex", handle))
         return LiveDevice(
-            info=self._info(handle, index), _reader=_open_reader(handle), _handle=handle
+            info=self._info(handle, index), _reader=open_reader(handle), _handle=handle
         )

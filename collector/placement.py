@@ -187,6 +187,13 @@ class SamplerActor:
         w, nxt = self.sampler.ring.since(seq)
         return {"t_ns": w.t_ns, "used": w.used, "reserved": w.reserved, "lost": w.lost, "next": nxt}
 
+    def replay_from(self, origin_ns: int) -> None:
+        """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
+        (the job aligns every replayed GPU of a node after they have all started)."""
+        if not hasattr(self.device, "origin_ns"):
+            raise TypeError("replay_from is for the replay backend")
+        self.device.origin_ns = int(origin_ns)
+
     def thread_cpu_s(self) -> float:
         return self.sampler.thread_cpu_s()
 

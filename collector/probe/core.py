@@ -160,13 +160,15 @@ class LedgerCache:
 
 
 class Outbox:
-    """Batches step events per GPU and sends them fire-and-forget; keeps every event for the store.
+    """Batches step events per GPU and sends them from a background thread; keeps every event.
 
-    ``resolve(uuid)`` returns the sampler actor handle for a GPU, or None. Sending submits
-    ``handle.record_events.remote(batch)`` and drops the returned reference: nothing waits on the
-    actor. A batch that cannot be submitted (no sampler, actor handle unusable) is counted in
-    ``dropped`` — the events themselves stay in ``events`` (and in ``events_file``) for the run
-    store either way.
+    The training thread only appends (:meth:`put`, a dict append under a lock) and nudges
+    (:meth:`maybe_flush`). A daemon sender thread does the rest off the hot path: every
+    ``flush_interval_s``, or as soon as a GPU has ``batch_max`` events waiting, it writes the
+    events to ``events_file`` (JSON lines) and submits ``handle.record_events.remote(batch)`` to
+    the GPU's sampler, dropping the returned reference — nothing ever waits on an actor, and a Ray
+    call that stalls stalls only the sender. A batch that cannot be submitted (no sampler, an
+    unusable handle) is counted in ``dropped``; the events stay in ``events`` for the run store.
     """
 
     def __init__(
@@ -183,50 +185,80 @@ class Outbox:
         self.sent = 0
         self.dropped: Counter[str] = Counter()
         self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._last_flush = time.monotonic()
-        self._file = open(events_file, "a", buffering=1) if events_file else None  # noqa: SIM115
+        self._unwritten: list[dict[str, Any]] = []
+        self._file = open(events_file, "a") if events_file else None  # noqa: SIM115
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def put(self, ev: StepEvent) -> dict[str, Any]:
         d = ev.to_dict()
         with self._lock:
             self.events.append(d)
             self._pending.setdefault(ev.gpu_uuid, []).append(d)
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(d) + "\n")
-            except OSError as exc:
-                self.dropped["events_file"] += 1
-                log.warning("step events file write failed: %s", exc)
+            if self._file is not None:
+                self._unwritten.append(d)
         return d
 
     def maybe_flush(self) -> None:
-        n = max((len(v) for v in self._pending.values()), default=0)
-        if n >= self.batch_max or time.monotonic() - self._last_flush >= self.flush_interval_s:
+        """Start the sender on first use; wake it early when a batch is full. Never blocks."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="stepmem-outbox", daemon=True)
+            self._thread.start()
+        if any(len(v) >= self.batch_max for v in self._pending.values()):
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
             self.flush()
 
     def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        self._last_flush = time.monotonic()
-        for uuid, batch in pending.items():
-            handle = None
-            if self._resolve is not None:
-                try:
-                    handle = self._resolve(uuid)
-                except Exception as exc:  # lookup trouble is the sampler's problem, not training's
-                    log.debug("sampler lookup for %s failed: %s", uuid, exc)
-            if handle is None:
-                self.dropped["no_sampler"] += len(batch)
-                continue
-            try:
-                handle.record_events.remote(batch)
-                self.sent += len(batch)
-            except Exception as exc:
-                self.dropped["send_failed"] += len(batch)
-                log.debug("sending %d events to %s failed: %s", len(batch), uuid, exc)
+        """Write and send everything pending now (the sender thread calls this; so does close)."""
+        with self._send_lock:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                unwritten, self._unwritten = self._unwritten, []
+            self._write(unwritten)
+            for uuid, batch in pending.items():
+                self._send(uuid, batch)
 
-    def close(self) -> None:
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        if self._file is None or not events:
+            return
+        try:
+            self._file.write("".join(json.dumps(d) + "\n" for d in events))
+            self._file.flush()
+        except OSError as exc:
+            self.dropped["events_file"] += len(events)
+            log.warning("step events file write failed: %s", exc)
+
+    def _send(self, uuid: str, batch: list[dict[str, Any]]) -> None:
+        handle = None
+        if self._resolve is not None:
+            try:
+                handle = self._resolve(uuid)
+            except Exception as exc:  # lookup trouble is the sampler's problem, not training's
+                log.debug("sampler lookup for %s failed: %s", uuid, exc)
+        if handle is None:
+            self.dropped["no_sampler"] += len(batch)
+            return
+        try:
+            handle.record_events.remote(batch)
+            self.sent += len(batch)
+        except Exception as exc:
+            self.dropped["send_failed"] += len(batch)
+            log.debug("sending %d events to %s failed: %s", len(batch), uuid, exc)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the sender and send what is left (bounded by ``timeout`` for the thread)."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
         self.flush()
         if self._file is not None:
             self._file.close()

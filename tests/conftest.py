@@ -1,0 +1,57 @@
+"""Shared fixtures: a real local Ray cluster on loopback, captures, and CPU-only helpers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> None:
+    """Poll ``condition`` until true (bounded in time); fail with a clear message otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    pytest.fail(f"condition not met within {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One real local Ray cluster for the session, bound to 127.0.0.1, no dashboard."""
+    import ray
+
+    from collector.placement import forget_samplers
+
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=2,
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    try:
+        yield
+    finally:
+        forget_samplers()
+        ray.shutdown()
+
+
+@pytest.fixture
+def kill_samplers(ray_cluster: None) -> Iterator[list]:
+    """Actors appended to the yielded list are killed after the test (tests stay independent)."""
+    import ray
+
+    from collector.placement import forget_samplers
+
+    handles: list = []
+    yield handles
+    for h in handles:
+        ray.kill(h, no_restart=True)
+    forget_samplers()

@@ -1,0 +1,205 @@
+"""The sampling thread and the step join, with small fake devices (no NVML needed)."""
+
+import threading
+import time
+
+import pytest
+
+from collector.nvml import NvmlGpuLost, NvmlNotSupported, NvmlUnknown
+from collector.records import StepEvent
+from collector.sampler import MAX_RATE, RingBuffer, Sampler, StepJoiner, parse_rate
+from tests.conftest import wait_for
+
+
+class CountingDevice:
+    uuid = "GPU-test"
+
+    def __init__(self, fail_every: int = 0, fail_with=NvmlNotSupported, lose_after: int = 0):
+        self.n = 0
+        self.fail_every, self.fail_with, self.lose_after = fail_every, fail_with, lose_after
+
+    def read(self):
+        self.n += 1
+        if self.lose_after and self.n > self.lose_after:
+            raise NvmlGpuLost("GPU is lost")
+        if self.fail_every and self.n % self.fail_every == 0:
+            raise self.fail_with("injected")
+        return self.n, 0
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "abc", "", "2e6"])
+def test_bad_rates_are_rejected_with_the_reason(text):
+    with pytest.raises(ValueError, match="rate"):
+        parse_rate(text)
+
+
+def test_rates_parse():
+    assert parse_rate("max") == MAX_RATE
+    assert parse_rate("1000") == 1000.0
+    assert parse_rate(250) == 250.0
+
+
+def test_sampler_keeps_its_schedule_and_records_real_timestamps():
+    s = Sampler(CountingDevice(), rate_hz=500, capacity=4096)
+    s.start()
+    time.sleep(0.6)
+    s.stop()
+    snap = s.ring.snapshot()
+    assert not s.alive
+    # 0.6 s at 500 Hz is 300 samples; a loaded CI machine may lose some, never gain.
+    assert 150 <= len(snap) <= 305
+    gaps = snap.t_ns[1:] - snap.t_ns[:-1]
+    assert gaps.min() > 0
+    assert abs(float(sorted(gaps)[len(gaps) // 2]) - 2_000_000) < 500_000  # median ≈ 2 ms
+
+
+def test_errors_are_counted_by_kind_and_sampling_goes_on():
+    s = Sampler(CountingDevice(fail_every=3, fail_with=NvmlUnknown), rate_hz=2000, capacity=4096)
+    s.start()
+    wait_for(lambda: s.errors["unknown"] >= 5, timeout=10)
+    s.stop()
+    assert s.alive is False
+    assert len(s.ring) >= 10  # the other two thirds of the reads landed
+    assert set(s.errors) == {"unknown"}
+
+
+def test_a_lost_gpu_stops_the_loop_and_says_why():
+    s = Sampler(CountingDevice(lose_after=20), rate_hz=MAX_RATE, capacity=4096)
+    s.start()
+    wait_for(lambda: not s.alive, timeout=10)
+    assert s.stopped_by == "gpu_lost"
+    assert s.errors["gpu_lost"] == 1
+    assert len(s.ring) == 20
+
+
+def test_stop_is_prompt_even_at_a_slow_rate():
+    s = Sampler(CountingDevice(), rate_hz=0.5, capacity=16)
+    s.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    s.stop()
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_max_rate_samples_back_to_back():
+    s = Sampler(CountingDevice(), rate_hz=MAX_RATE, capacity=1 << 16)
+    s.start()
+    time.sleep(0.2)
+    s.stop()
+    assert s.ring.count > 1000  # far above any fixed rate we would configure for a test
+
+
+# -- the join ----------------------------------------------------------------------------------
+
+MS = 1_000_000
+
+
+def joiner_with(samples, capacity=1024, started_ns=1):
+    """A StepJoiner over a sampler whose ring holds ``samples`` [(t_ns, used)] (no thread)."""
+    s = Sampler(CountingDevice(), rate_hz=1000, capacity=capacity)
+    s.started_ns = started_ns
+    for t, used in samples:
+        s.ring.append(t, used, 100)
+    return StepJoiner(s)
+
+
+def ev(kind, step, t, phase="", **torch):
+    return StepEvent(kind=kind, step=step, t_ns=t, gpu_uuid="GPU-test", phase=phase, torch=torch)
+
+
+def test_join_takes_peak_min_time_and_end_reading():
+    samples = [(t * MS, 10) for t in range(1, 100)]
+    samples[40] = (41 * MS, 50)  # the within-step peak at 41 ms
+    samples[60] = (61 * MS, 3)
+    j = joiner_with(samples)
+    j.add(ev("begin", 1, 30 * MS))
+    j.add(ev("end", 1, 70 * MS, **{"allocated_bytes.all.peak": 9}))
+    (rec,) = j.poll()
+    assert (rec.nvml_peak_bytes, rec.nvml_peak_t_ns, rec.nvml_min_bytes) == (50, 41 * MS, 3)
+    assert rec.samples == 41 and rec.gap == ""
+    assert rec.nvml_end_bytes == 10 and rec.nvml_reserved_bytes == 100
+    assert rec.torch_allocated_peak_bytes == 9
+
+
+def test_end_reading_is_the_first_sample_after_the_end_mark():
+    # A cache released just before the end mark shows in the first sample after it.
+    j = joiner_with([(10 * MS, 5), (20 * MS, 90), (30 * MS, 5)])
+    j.add(ev("begin", 1, 10 * MS))
+    j.add(ev("end", 1, 25 * MS))
+    (rec,) = j.poll()
+    assert rec.nvml_peak_bytes == 90 and rec.nvml_end_bytes == 5
+
+
+def test_a_step_is_joined_only_once_the_sampler_has_passed_its_end():
+    j = joiner_with([(t * MS, 1) for t in range(10)])
+    j.add(ev("begin", 1, 5 * MS))
+    j.add(ev("end", 1, 20 * MS))
+    assert j.poll() == [] and j.pending == 1
+    assert len(j.poll(force=True)) == 1 and j.pending == 0
+
+
+def test_phases_get_their_own_peaks():
+    samples = [(t * MS, 10 + (40 if t == 15 else 0) + (70 if t == 35 else 0)) for t in range(60)]
+    j = joiner_with(samples)
+    j.add(ev("begin", 2, 10 * MS))
+    j.add(ev("phase", 2, 30 * MS, "optimizer", **{"allocated_bytes.all.peak": 400}))
+    j.add(ev("end", 2, 50 * MS, **{"allocated_bytes.all.peak": 700}))
+    (rec,) = j.poll()
+    fb, opt = rec.phases
+    assert (fb["phase"], fb["nvml_peak_bytes"], fb["torch_allocated_peak_bytes"]) == (
+        "forward_backward", 50, 400)
+    assert (opt["phase"], opt["nvml_peak_bytes"], opt["torch_allocated_peak_bytes"]) == (
+        "optimizer", 80, 700)
+    assert rec.torch_allocated_peak_bytes == 700
+
+
+@pytest.mark.parametrize(
+    ("samples", "capacity", "started", "expected"),
+    [
+        ([(t * MS, 1) for t in range(100)], 1024, 1, ""),
+        ([(t * MS, 1) for t in (*range(20), *range(60, 100))], 1024, 1, "stall"),
+        ([(t * MS, 1) for t in range(100)], 32, 1, "overrun"),
+        ([(t * MS, 1) for t in range(100)], 1024, 35 * MS, "sampler_started"),
+        ([(t * MS, 1) for t in (*range(10), *range(90, 100))], 1024, 1, "no_samples"),
+    ],
+)
+def test_gaps_are_flagged(samples, capacity, started, expected):
+    j = joiner_with(samples, capacity=capacity, started_ns=started)
+    j.add(ev("begin", 1, 30 * MS))
+    j.add(ev("end", 1, 80 * MS))
+    (rec,) = j.poll(force=True)
+    assert rec.gap == expected
+
+
+def test_unpaired_events_are_counted_not_joined():
+    j = joiner_with([(t * MS, 1) for t in range(10)])
+    j.add(ev("end", 4, 5 * MS))
+    j.add(ev("phase", 5, 5 * MS, "optimizer"))
+    j.add(ev("begin", 6, 8 * MS))
+    j.add(ev("end", 6, 3 * MS))
+    assert j.poll(force=True) == []
+    assert dict(j.rejected) == {
+        "end_without_begin": 1, "phase_without_begin": 1, "end_before_begin": 1}
+
+
+def test_concurrent_reader_never_sees_torn_windows():
+    ring = RingBuffer(64)
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            ring.append(i, i, i)
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(500):
+            w, _ = ring.since(max(0, ring.count - 64))
+            assert (w.t_ns == w.used).all() and (w.used == w.reserved).all()
+            if len(w) > 1:
+                assert ((w.t_ns[1:] - w.t_ns[:-1]) == 1).all()
+    finally:
+        stop.set()
+        t.join()
