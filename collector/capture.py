@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from collector.nvml import LiveBackend, NvmlError
-from collector.replay import Capture
+from collector.nvml import LiveBackend, NvmlError, NvmlNotFound
+from collector.replay import Capture, ReplayBackend
 from collector.sampler import Sampler
 
 __all__ = ["record"]
@@ -43,6 +43,7 @@ def record(
     max_s: float = 600.0,
     trim_s: float | None = None,
     notes: dict[str, Any] | None = None,
+    backend: LiveBackend | ReplayBackend | None = None,
     echo=print,
 ) -> Capture:
     """Sample one GPU while ``command`` runs (or for ``duration_s``) and save a capture.
@@ -50,13 +51,15 @@ def record(
     The ring is sized for ``max_s`` seconds at ``rate_hz`` (24 bytes a sample); a command still
     running after ``max_s`` is terminated. ``trim_s`` keeps only the samples from ``trim_s``
     before the first step event to ``trim_s`` after the last (for compact ``max``-rate captures).
+    ``backend`` defaults to live NVML; a :class:`ReplayBackend` resamples a capture (at another
+    rate, say, to see what a slower sampler would have caught).
     """
-    backend = LiveBackend()
+    backend = backend or LiveBackend()
     infos = {d.uuid: d for d in backend.devices()}
     if uuid is None:
         uuid = next(iter(infos))
     if uuid not in infos:
-        raise NvmlError(f"no GPU with UUID {uuid} on this node (have: {', '.join(infos)})")
+        raise NvmlNotFound(f"no GPU with UUID {uuid} on this node (have: {', '.join(infos)})")
     device = backend.open(uuid)
     seconds = duration_s if command is None else max_s
     sampler = Sampler(device, rate_hz=rate_hz, capacity=_capacity(rate_hz, seconds))
@@ -122,6 +125,7 @@ def record(
             "total_bytes": info.total_bytes,
             "driver": info.driver,
             "memory_info_version": device.memory_info_version,
+            "backend": device.backend,
         },
         rate_hz=rate_hz,
         command="stepmem capture " + " ".join(shlex.quote(a) for a in sys.argv[2:]),

@@ -101,6 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("capture", help="record NVML on a real GPU while a command runs")
     c.add_argument("--out", type=Path, required=True, help="capture file (.capture.parquet)")
     c.add_argument("--gpu", metavar="UUID", help="GPU to record (default: NVML's first)")
+    c.add_argument(
+        "--backend",
+        choices=("nvml", "replay"),
+        default="nvml",
+        help="replay: resample a capture instead of reading a real GPU",
+    )
+    c.add_argument(
+        "--capture",
+        action="append",
+        dest="captures",
+        metavar="NAME|PATH",
+        help="with --backend replay: the capture(s) to resample",
+    )
     c.add_argument("--rate", type=_rate, default=1000.0, help="Hz, or 'max' (default 1000)")
     c.add_argument("--duration", type=_positive_float, help="seconds, when no command is given")
     c.add_argument(
@@ -169,6 +182,11 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
             raise UserError(f"stepmem capture: --note {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         notes[k] = v
+    backend = None
+    if ns.backend == "replay":
+        from collector.replay import ReplayBackend
+
+        backend = ReplayBackend(ns.captures or ["idle"])
     cap = record(
         ns.out,
         ns.gpu,
@@ -178,6 +196,7 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
         max_s=ns.max_seconds,
         trim_s=ns.trim,
         notes=notes,
+        backend=backend,
     )
     return int(cap.notes.get("returncode", 0) or 0)
 

@@ -64,6 +64,8 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
             f"sampling at {_rate(opts.rate_hz)}"
         )
     paths = [str(resolve_capture(c)) for c in opts.captures]
+    for path in paths:  # fail here, in one line, not inside a sampler actor
+        Capture.load(path)
     caps = ", ".join(Path(p).name.removesuffix(".capture.parquet") for p in paths)
     spec = BackendSpec("replay", captures=paths, gpus=opts.gpus, speed=opts.speed)
     why = "no GPU here" if opts.backend == "auto" else "asked for"

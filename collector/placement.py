@@ -319,8 +319,8 @@ def forget_samplers() -> None:
 
 
 def list_samplers() -> list[str]:
-    """Names of every live stepmem sampler actor in the cluster."""
-    from ray.util.state import list_actors
-
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-    return sorted(a.name for a in actors if a.name and a.name.startswith("stepmem:"))
+    """Names of every stepmem sampler actor alive in the cluster (no dashboard needed)."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(
+        a["name"] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith("stepmem:")
+    )

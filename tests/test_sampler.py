@@ -147,9 +147,15 @@ def test_phases_get_their_own_peaks():
     (rec,) = j.poll()
     fb, opt = rec.phases
     assert (fb["phase"], fb["nvml_peak_bytes"], fb["torch_allocated_peak_bytes"]) == (
-        "forward_backward", 50, 400)
+        "forward_backward",
+        50,
+        400,
+    )
     assert (opt["phase"], opt["nvml_peak_bytes"], opt["torch_allocated_peak_bytes"]) == (
-        "optimizer", 80, 700)
+        "optimizer",
+        80,
+        700,
+    )
     assert rec.torch_allocated_peak_bytes == 700
 
 
@@ -179,7 +185,10 @@ def test_unpaired_events_are_counted_not_joined():
     j.add(ev("end", 6, 3 * MS))
     assert j.poll(force=True) == []
     assert dict(j.rejected) == {
-        "end_without_begin": 1, "phase_without_begin": 1, "end_before_begin": 1}
+        "end_without_begin": 1,
+        "phase_without_begin": 1,
+        "end_before_begin": 1,
+    }
 
 
 def test_concurrent_reader_never_sees_torn_windows():

@@ -1,0 +1,131 @@
+"""The `stepmem` command as a user meets it: bad input gives one line and exit 2, never a
+traceback; the main job runs the whole pipeline on the replay backend and says so first."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from collector.replay import Capture, resolve_capture
+
+
+def stepmem(*args, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "collector.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, res
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["run", "--rate", "0"], ["--rate", "> 0"]),
+        (["run", "--rate", "-3"], ["--rate", "> 0"]),
+        (["run", "--rate", "abc"], ["--rate", "'abc'"]),
+        (["run", "--speed", "0"], ["--speed"]),
+        (["run", "--gpus", "0"], ["--gpus"]),
+        (["run", "--backend", "magic"], ["--backend", "magic"]),
+        (["run", "--workload", "nope"], ["--workload", "nope"]),
+        (["run", "--capture", "no-such-capture"], ["no-such-capture", "adamw_8bit"]),
+        (["frobnicate"], ["frobnicate"]),
+        (["capture", "--out", "x.parquet"], ["--duration"]),
+        (["capture", "--out", "x.parquet", "--duration", "-1"], ["--duration"]),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, needles):
+    one_line_error(stepmem(*args), *needles)
+
+
+def test_corrupt_and_foreign_captures_are_named(tmp_path):
+    corrupt = tmp_path / "corrupt.capture.parquet"
+    corrupt.write_bytes(resolve_capture("idle").read_bytes()[:2000])
+    one_line_error(stepmem("run", "--capture", str(corrupt)), str(corrupt))
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    one_line_error(stepmem("devices", "--backend", "replay", "--capture", str(text)), "notes.txt")
+
+
+def test_unknown_gpu_uuid_is_named():
+    line = one_line_error(
+        stepmem(
+            "capture",
+            "--backend",
+            "replay",
+            "--capture",
+            "idle",
+            "--gpu",
+            "GPU-nope",
+            "--duration",
+            "1",
+            "--out",
+            "x.parquet",
+        ),
+        "GPU-nope",
+    )
+    assert "have: GPU-" in line
+
+
+def test_replay_resampling_at_another_rate(tmp_path):
+    out = tmp_path / "rs.capture.parquet"
+    res = stepmem(
+        "capture",
+        "--backend",
+        "replay",
+        "--capture",
+        "idle",
+        "--rate",
+        "200",
+        "--duration",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    cap = Capture.load(out)
+    assert 150 <= len(cap.t_ns) <= 260 and cap.device["backend"] == "replay"
+
+
+@pytest.mark.ray
+def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
+    out = tmp_path / "records.json"
+    res = stepmem(
+        "run",
+        "--capture",
+        "adamw_8bit",
+        "--gpus",
+        "2",
+        "--speed",
+        "4",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("stepmem: REPLAY backend") and "adamw_8bit" in first
+    doc = json.loads(out.read_text())
+    assert len(doc["samplers"]) == 2
+    assert sorted((r["gpu_uuid"], r["step"]) for r in doc["records"]) == sorted(
+        (s["gpu_uuid"], k) for s in doc["samplers"] for k in (1, 2, 3)
+    )
+    cap = Capture.load(resolve_capture("adamw_8bit"))
+    begins = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "begin"}
+    ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
+    for r in doc["records"]:
+        assert r["gap"] == ""
+        assert r["nvml_peak_bytes"] == cap.max_in_force(begins[r["step"]], ends[r["step"]])
+    assert "memory per step" in res.stdout

@@ -1,0 +1,119 @@
+"""Sampler actors on a real local Ray cluster (CPU only, replay backend)."""
+
+import time
+
+import pytest
+import ray
+
+from collector.placement import (
+    NAMESPACE,
+    BackendSpec,
+    find_sampler,
+    launch_samplers,
+    list_samplers,
+    sampler_name,
+)
+from collector.replay import Capture, resolve_capture
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.ray
+
+
+def test_one_actor_per_simulated_gpu_named_by_uuid_and_launch_is_idempotent(kill_samplers):
+    spec = BackendSpec("replay", captures=["idle"], gpus=3)
+    placed = launch_samplers(spec)
+    kill_samplers.extend(p.handle for p in placed)
+    node = ray.get_runtime_context().get_node_id()
+    assert len(placed) == 3 and len({p.gpu_uuid for p in placed}) == 3
+    for p in placed:
+        assert p.name == sampler_name(node, p.gpu_uuid) == f"stepmem:{node}:{p.gpu_uuid}"
+        assert p.info["backend"] == "replay" and p.info["node_id"] == node
+    again = launch_samplers(spec)
+    assert {p.name for p in again} == {p.name for p in placed}
+    assert [n for n in list_samplers() if n in {p.name for p in placed}] == sorted(
+        p.name for p in placed
+    )
+    pids = {p.info["pid"] for p in placed}
+    assert {p.info["pid"] for p in again} == pids  # the same actors, not new ones
+    assert len(pids) == 3
+    handle = find_sampler(placed[0].gpu_uuid)
+    assert handle is not None and find_sampler(placed[0].gpu_uuid) is handle  # cached
+    assert ray.get(handle.info.remote())["gpu_uuid"] == placed[0].gpu_uuid
+    assert ray.get_actor(placed[1].name, namespace=NAMESPACE) is not None
+
+
+def test_lookup_of_a_gpu_without_a_sampler_is_none(ray_cluster):
+    assert find_sampler("GPU-00000000-0000-0000-0000-000000000000") is None
+
+
+def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
+    from collector.job import nvml_available
+
+    if nvml_available():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(RuntimeError, match="no GPU found on any alive Ray node"):
+        launch_samplers(BackendSpec("nvml"))
+
+
+def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) -> None:
+    """Send the capture's recorded step events at their times on the replay clock."""
+    plan = []
+    for e in cap.events:
+        if e["step"] <= steps:
+            plan.append(dict(e, t_ns=origin + int(e["t_ns"] / speed)))
+    for e in sorted(plan, key=lambda e: e["t_ns"]):
+        delay = (e["t_ns"] - time.monotonic_ns()) / 1e9
+        if delay > 0:
+            time.sleep(delay)
+        for p in placed:
+            p.handle.record_events.remote([dict(e, gpu_uuid=p.gpu_uuid)])
+
+
+@pytest.mark.parametrize(
+    ("capture", "steps", "speed"), [("spiky", 12, 0.25), ("adamw_8bit", 3, 2.0)]
+)
+def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, steps, speed):
+    cap = Capture.load(resolve_capture(capture))
+    spec = BackendSpec("replay", captures=[capture], gpus=2, speed=speed)
+    placed = launch_samplers(spec, rate_hz=1000)
+    kill_samplers.extend(p.handle for p in placed)
+    first = min(e["t_ns"] for e in cap.events)
+    origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
+    ray.get([p.handle.replay_from.remote(origin) for p in placed])
+    replay_steps(placed, cap, steps, origin, speed)
+    wait_for(
+        lambda: all(len(ray.get(p.handle.step_records.remote())) == steps for p in placed),
+        timeout=30,
+    )
+    begins = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "begin"}
+    ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
+    for p in placed:
+        records = ray.get(p.handle.step_records.remote())
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for r in records:
+            expected = cap.max_in_force(begins[r["step"]], ends[r["step"]])
+            assert r["gap"] == "", r
+            assert r["nvml_peak_bytes"] == expected, (r["step"], r["nvml_peak_bytes"], expected)
+            assert r["torch_end"] == next(
+                e["torch"] for e in cap.events if e["kind"] == "end" and e["step"] == r["step"]
+            )
+        health = ray.get(p.handle.health.remote())
+        assert health["events_rejected"] == {} and health["errors"] == {}
+
+
+def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers):
+    (p,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1))
+    kill_samplers.append(p.handle)
+    bad = [
+        {"kind": "explode", "step": 1, "t_ns": 5, "gpu_uuid": p.gpu_uuid},
+        {"kind": "begin", "step": -1, "t_ns": 5, "gpu_uuid": p.gpu_uuid},
+        {"kind": "begin", "step": 1, "t_ns": "soon", "gpu_uuid": p.gpu_uuid},
+        {"step": 1},
+        "not even a dict",
+        {"kind": "begin", "step": 1, "t_ns": 5, "gpu_uuid": "GPU-someone-else"},
+    ]
+    assert ray.get(p.handle.record_events.remote(bad)) == 0
+    assert ray.get(p.handle.record_events.remote("not a list")) == 0
+    health = ray.get(p.handle.health.remote())
+    assert health["events_rejected"] == {"malformed": 6, "wrong_gpu": 1}
+    assert health["alive"] is True and health["samples_total"] > 0

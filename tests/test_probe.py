@@ -1,0 +1,152 @@
+"""The step probe on the CPU: HF Trainer and plain-loop adapters over a tiny Llama, the ledger,
+and a missing or broken sampler costing training nothing."""
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from collector.probe.core import LedgerCache, Outbox, StepProbe, ledger  # noqa: E402
+from workloads import finetune  # noqa: E402
+
+
+def tiny_args(steps=3):
+    return finetune.defaults(
+        finetune.parser().parse_args(["--size", "tiny", "--steps", str(steps)])
+    )
+
+
+def plain_loop(probe: StepProbe, steps: int = 3, accum: int = 2):
+    model = finetune.build_model("tiny", 64, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probe.watch(model, opt)
+    data = finetune.SyntheticTokens(steps * accum, 64, finetune.SHAPES["tiny"]["vocab_size"])
+    for step in range(1, steps + 1):
+        with probe.step(step):
+            for k in range(accum):
+                batch = data[(step - 1) * accum + k]
+                out = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
+                out.loss.backward()
+            probe.phase("optimizer")
+            opt.step()
+            opt.zero_grad()
+    probe.close()
+    return model, opt
+
+
+def test_hf_trainer_gives_one_record_per_step_per_device():
+    probe = StepProbe(outbox=Outbox(None))
+    summary = finetune.run(tiny_args(3), probe)
+    assert len(summary["step_times_s"]) == 3
+    assert [r["step"] for r in probe.records] == [1, 2, 3]
+    assert {r["device"] for r in probe.records} == {"cpu"}
+    last = probe.records[-1]
+    assert last["ledger"]["parameters"] == 4 * summary["parameters"]
+    assert last["ledger"]["optimizer_state"] >= 2 * last["ledger"]["parameters"]  # AdamW: m, v
+    assert last["ledger"]["gradients"] == 0  # HF zero_grad(set_to_none) runs before on_step_end
+    kinds = [e["kind"] for e in probe.outbox.events]
+    assert kinds[:3] == ["begin", "phase", "end"] and kinds.count("end") == 3
+
+
+def test_plain_loop_and_hf_records_have_the_same_shape():
+    hf = StepProbe(outbox=Outbox(None))
+    finetune.run(tiny_args(2), hf)
+    plain = StepProbe(outbox=Outbox(None))
+    plain_loop(plain, steps=2)
+    assert len(plain.records) == 2
+    for a, b in zip(hf.records, plain.records, strict=True):
+        assert a.keys() == b.keys()
+        assert a["ledger"].keys() == b["ledger"].keys()
+        assert a["torch"].keys() == b["torch"].keys()
+    assert [e["phase"] for e in plain.outbox.events if e["kind"] == "phase"] == ["optimizer"] * 2
+
+
+def test_without_cuda_the_probe_says_so_once(caplog):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    probe = StepProbe(outbox=Outbox(None))
+    with caplog.at_level("WARNING"):
+        plain_loop(probe, steps=3)
+    assert sum("CUDA is not available" in r.message for r in caplog.records) == 1
+    assert all(r["torch"] == {} for r in probe.records)
+
+
+class DeadActor:
+    """A handle whose every call fails, like a sampler actor that died."""
+
+    class _Method:
+        def remote(self, *a, **k):
+            raise RuntimeError("actor is dead")
+
+    record_events = _Method()
+
+
+def test_a_dead_sampler_costs_the_run_nothing_and_is_counted():
+    probe = StepProbe(outbox=Outbox(lambda uuid: DeadActor(), flush_interval_s=0.01))
+    plain_loop(probe, steps=3)
+    assert len(probe.records) == 3
+    assert probe.outbox.dropped["send_failed"] == len(probe.outbox.events)
+    assert probe.outbox.sent == 0
+
+
+def test_a_missing_sampler_is_counted_and_events_are_kept():
+    probe = StepProbe(outbox=Outbox(lambda uuid: None))
+    plain_loop(probe, steps=2)
+    assert probe.outbox.dropped["no_sampler"] == len(probe.outbox.events) == 6
+
+
+def test_a_stalled_sampler_lookup_never_blocks_the_training_thread():
+    def slow_resolve(uuid):
+        time.sleep(2.0)
+        return None
+
+    probe = StepProbe(outbox=Outbox(slow_resolve, flush_interval_s=0.0))
+    t0 = time.perf_counter()
+    for step in range(1, 51):
+        probe.begin(step)
+        probe.end()
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0  # 50 steps while the sender is stuck in a 2 s lookup
+    probe.outbox.close(timeout=0.1)
+
+
+def test_events_file_gets_every_event(tmp_path):
+    path = tmp_path / "events.jsonl"
+    probe = StepProbe(outbox=Outbox(None, events_file=path))
+    plain_loop(probe, steps=2)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(probe.outbox.events) == 6
+
+
+def test_ledger_counts_paged_state_as_managed_on_its_device():
+    p = torch.nn.Parameter(torch.zeros(10))
+    paged = torch.zeros(1000, dtype=torch.uint8)
+    paged.is_paged = True  # what bitsandbytes' get_paged marks on its managed-memory tensors
+    paged.page_deviceid = 0
+
+    class Opt:
+        def __init__(self):
+            self.state = {p: {"state1": paged, "qmap1": torch.zeros(256), "step": 3}}
+
+    by_dev = ledger(None, Opt())
+    assert by_dev[torch.device("cuda", 0)]["optimizer_state_managed"] == 1000
+    assert by_dev[torch.device("cpu")]["optimizer_state"] == 1024
+
+
+def test_ledger_cache_redoes_the_full_pass_only_when_state_appears():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    cache = LedgerCache(refresh_steps=100)
+    cache.take(model, opt, 1)
+    model(torch.ones(1, 4)).sum().backward()
+    with_grads = cache.take(model, opt, 2)[torch.device("cpu")]
+    assert with_grads["gradients"] == with_grads["parameters"] == 80
+    opt.step()
+    opt.zero_grad()
+    after = cache.take(model, opt, 3)[torch.device("cpu")]
+    assert after["optimizer_state"] > 0 and after["gradients"] == 0
+    cache.take(model, opt, 4)
+    assert cache.full_passes == 2
+    cache.take(model, opt, 200)
+    assert cache.full_passes == 3

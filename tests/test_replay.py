@@ -1,0 +1,163 @@
+"""Captures (format, validation) and the replay backend, on the captures recorded on the H200."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from collector.nvml import NvmlGpuLost, NvmlNotFound
+from collector.replay import (
+    Capture,
+    CaptureError,
+    ReplayBackend,
+    ReplayDevice,
+    builtin_captures,
+    replay_uuid,
+    resolve_capture,
+)
+
+GIB = 1 << 30
+
+
+def small_capture() -> Capture:
+    t = np.array([0, 1_000, 2_000, 3_000], dtype=np.int64)
+    return Capture(
+        t_ns=t,
+        used=np.array([1, 5, 2, 9], dtype=np.int64),
+        reserved=np.zeros(4, dtype=np.int64),
+        device={"uuid": "GPU-x", "total_bytes": 100, "name": "X"},
+        name="small",
+    )
+
+
+class Clock:
+    def __init__(self, t=0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_committed_captures_are_real_h200_recordings():
+    caps = builtin_captures()
+    assert {"idle", "adamw_8bit", "paged_adamw_8bit", "spiky"} <= set(caps)
+    total = sum(p.stat().st_size for p in caps.values())
+    assert total < 4 * (1 << 20)  # compact: a few MiB in all
+    for name, path in caps.items():
+        cap = Capture.load(path)
+        assert cap.device["name"] == "NVIDIA H200"
+        assert cap.device["memory_info_version"] == 2
+        assert cap.command.startswith("stepmem capture ")
+        assert np.all(np.diff(cap.t_ns) >= 0)
+        assert (cap.reserved > 0).all()  # v2 reports driver-reserved memory apart
+        if name != "idle":
+            assert {e["kind"] for e in cap.events} >= {"begin", "end"}
+
+
+def test_the_7b_captures_hold_the_seed_effects():
+    unpaged = Capture.load(resolve_capture("adamw_8bit"))
+    paged = Capture.load(resolve_capture("paged_adamw_8bit"))
+    ends = {e["step"]: e for e in unpaged.events if e["kind"] == "end"}
+    r1, r2 = (ends[s]["torch"]["reserved_bytes.all.current"] for s in (1, 2))
+    assert r2 - r1 > 10 * GIB  # the step-2 jump in reserved memory
+    pend = [e for e in paged.events if e["kind"] == "end"][-1]
+    assert pend["ledger"]["optimizer_state_managed"] > 10 * GIB
+
+
+def test_save_load_round_trip(tmp_path):
+    cap = small_capture()
+    cap.events = [{"kind": "begin", "step": 1, "t_ns": 5, "gpu_uuid": "GPU-x"}]
+    path = cap.save(tmp_path / "s.capture.parquet")
+    back = Capture.load(path)
+    assert back.used.tolist() == [1, 5, 2, 9] and back.events == cap.events
+    assert back.device == cap.device and back.name == "s"
+
+
+def test_max_in_force_counts_the_value_held_at_the_window_start():
+    cap = small_capture()
+    assert cap.max_in_force(1_500, 2_500) == 5  # 5 is in force from 1000 until 2000
+    assert cap.max_in_force(2_000, 2_999) == 2
+    assert cap.max_in_force(0, 3_000) == 9
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "does not exist"),
+        (b"this is not parquet", "not a readable Parquet file"),
+        ("plain-parquet", "not a stepmem capture"),
+    ],
+)
+def test_bad_captures_give_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "bad.capture.parquet"
+    if content == "plain-parquet":
+        pq.write_table(pa.table({"a": [1, 2]}), path)
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CaptureError, match=message):
+        Capture.load(path)
+
+
+def test_truncated_capture_is_rejected(tmp_path):
+    src = resolve_capture("idle").read_bytes()
+    path = tmp_path / "cut.capture.parquet"
+    path.write_bytes(src[: len(src) // 2])
+    with pytest.raises(CaptureError):
+        Capture.load(path)
+
+
+def test_unknown_capture_name_lists_the_committed_ones():
+    with pytest.raises(CaptureError, match="adamw_8bit"):
+        resolve_capture("no-such-capture")
+
+
+def test_replay_plays_the_value_in_force_at_real_speed_and_faster():
+    from collector.records import DeviceInfo
+
+    clock = Clock(10_000)
+    info = DeviceInfo("GPU-r", 0, "X", 100)
+    dev = ReplayDevice(small_capture(), info, origin_ns=10_000, speed=1.0, clock=clock)
+    seen = []
+    for t in (10_000, 10_999, 11_000, 12_500, 13_000):
+        clock.t = t
+        seen.append(dev.read()[0])
+    assert seen == [1, 1, 5, 2, 9]
+    fast = ReplayDevice(small_capture(), info, origin_ns=0, speed=2.0, clock=clock)
+    clock.t = 1_000  # capture time 2000
+    assert fast.read()[0] == 2
+    assert fast.monotonic_of(3_000) == 1_500
+
+
+def test_replay_loops_and_can_lose_the_gpu():
+    from collector.records import DeviceInfo
+
+    clock = Clock(0)
+    dev = ReplayDevice(small_capture(), DeviceInfo("GPU-r", 0, "X", 100), 0, clock=clock)
+    clock.t = 4_000 + 1_000  # one lap (3000 + one median period) later, at capture time 1000
+    assert dev.read()[0] == 5
+    dev.lose_at(6_000)
+    clock.t = 6_000
+    with pytest.raises(NvmlGpuLost):
+        dev.read()
+
+
+def test_replayed_gpus_have_stable_distinct_uuids():
+    a = ReplayBackend(["idle"], gpus=3, node_id="n1")
+    b = ReplayBackend(["idle"], gpus=3, node_id="n1")
+    c = ReplayBackend(["idle"], gpus=3, node_id="n2")
+    ua = [d.uuid for d in a.devices()]
+    assert ua == [d.uuid for d in b.devices()]
+    assert len(set(ua) | {d.uuid for d in c.devices()}) == 6
+    assert all(u.startswith("GPU-") and len(u) == 40 for u in ua)
+    assert ua[1] == replay_uuid(a.captures[0].device["uuid"], "n1", 1)
+    with pytest.raises(NvmlNotFound):
+        a.open("GPU-not-here")
+
+
+def test_replay_backend_rejects_bad_settings():
+    with pytest.raises(ValueError, match="at least 1"):
+        ReplayBackend(["idle"], gpus=0)
+    with pytest.raises(ValueError, match="speed"):
+        ReplayBackend(["idle"], speed=0)
+    with pytest.raises(CaptureError):
+        ReplayBackend([])
