@@ -150,3 +150,45 @@ def test_ledger_cache_redoes_the_full_pass_only_when_state_appears():
     assert cache.full_passes == 2
     cache.take(model, opt, 200)
     assert cache.full_passes == 3
+
+
+def test_lightning_adapter_gives_the_same_record_shape():
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from collector.probe.lightning import StepMemLightningCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = finetune.build_model("tiny", 32, None)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (6, 32))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=1)
+    probe = StepProbe(outbox=Outbox(None))
+    trainer = L.Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepMemLightningCallback(probe)],
+    )
+    trainer.fit(Tiny(), loader)
+    assert [r["step"] for r in probe.records] == [1, 2, 3]
+    hf = StepProbe(outbox=Outbox(None))
+    finetune.run(tiny_args(1), hf)
+    assert probe.records[0].keys() == hf.records[0].keys()
+    assert probe.records[0]["ledger"].keys() == hf.records[0]["ledger"].keys()
+    # Lightning zeroes gradients at the next step's first backward: they are still held at the end
+    assert probe.records[-1]["ledger"]["gradients"] == probe.records[-1]["ledger"]["parameters"]
+    assert [e["phase"] for e in probe.outbox.events if e["kind"] == "phase"] == ["optimizer"] * 3

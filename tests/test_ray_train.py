@@ -1,0 +1,55 @@
+"""The probe inside a Ray Train ``train_loop_per_worker`` sends its steps to the node's sampler."""
+
+import json
+
+import pytest
+import ray
+
+from collector.placement import BackendSpec, launch_samplers
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.ray
+pytest.importorskip("torch")
+
+
+def train_loop(config):
+    import torch
+
+    from collector.probe.core import StepProbe
+    from workloads import finetune
+
+    model = finetune.build_model("tiny", 32, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # A CPU worker has no CUDA device: address its events to the replayed GPU of this node.
+    probe = StepProbe(gpu_uuids={"cpu": config["uuid"]}).watch(model, opt)
+    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (1, 32))
+    for step in range(1, config["steps"] + 1):
+        with probe.step(step):
+            model(input_ids=ids, labels=ids).loss.backward()
+            probe.phase("optimizer")
+            opt.step()
+            opt.zero_grad()
+    probe.close()
+    with open(config["out"], "w") as f:  # one node: the test reads it back
+        json.dump({"steps": len(probe.records), "sent": probe.outbox.sent}, f)
+
+
+def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1))
+    kill_samplers.append(placed.handle)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"uuid": placed.gpu_uuid, "steps": 4, "out": str(tmp_path / "w.json")},
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
+        run_config=RunConfig(storage_path=str(tmp_path), name="probe"),
+    )
+    trainer.fit()
+    assert json.loads((tmp_path / "w.json").read_text()) == {"steps": 4, "sent": 12}
+    wait_for(lambda: len(ray.get(placed.handle.step_records.remote())) == 4, timeout=30)
+    records = ray.get(placed.handle.step_records.remote())
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["samples"] > 0 and r["ledger"]["parameters"] > 0 for r in records)
+    assert [p["phase"] for p in records[0]["phases"]] == ["forward_backward", "optimizer"]
