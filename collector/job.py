@@ -63,15 +63,15 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
             f"stepmem: live NVML backend, workload {opts.workload}, "
             f"sampling at {_rate(opts.rate_hz)}"
         )
-    paths = [str(resolve_capture(c)) for c in opts.captures]
-    for path in paths:  # fail here, in one line, not inside a sampler actor
-        Capture.load(path)
-    caps = ", ".join(Path(p).name.removesuffix(".capture.parquet") for p in paths)
-    spec = BackendSpec("replay", captures=paths, gpus=opts.gpus, speed=opts.speed)
+    for name in opts.captures:  # fail here, in one line, not inside a sampler actor
+        Capture.load(resolve_capture(name))
+    caps = ", ".join(Path(c).name.removesuffix(".capture.parquet") for c in opts.captures)
+    # Committed captures travel by name: each node's actors resolve them in their own install.
+    spec = BackendSpec("replay", captures=list(opts.captures), gpus=opts.gpus, speed=opts.speed)
     why = "no GPU here" if opts.backend == "auto" else "asked for"
     return spec, (
         f"stepmem: REPLAY backend ({why}) — playing NVML captures recorded on a real "
-        f"GPU, not this machine: {caps}; {spec.gpus or len(paths)} simulated GPU(s) "
+        f"GPU, not this machine: {caps}; {spec.gpus or len(opts.captures)} simulated GPU(s) "
         f"per node at {opts.speed:g}x speed"
     )
 
@@ -120,7 +120,7 @@ def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | 
     """Send each simulated GPU's recorded events at their recorded times. Returns steps sent."""
     plan: list[tuple[int, dict[str, Any]]] = []
     for p in placed:
-        cap = Capture.load(spec.captures[p.info["index"] % len(spec.captures)])
+        cap = Capture.load(resolve_capture(spec.captures[p.info["index"] % len(spec.captures)]))
         origin, speed = p.info["replay_origin_ns"], p.info["replay_speed"]
         for ev in cap.events:
             if steps is not None and ev["step"] > steps:
@@ -188,7 +188,8 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         # Align playback now that every sampler runs: the first recorded step starts in
         # REPLAY_LEAD_S seconds on every replayed GPU.
         first = min(
-            min((e["t_ns"] for e in Capture.load(c).events), default=0) for c in spec.captures
+            min((e["t_ns"] for e in Capture.load(resolve_capture(c)).events), default=0)
+            for c in spec.captures
         )
         origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / spec.speed)
         ray.get([p.handle.replay_from.remote(origin) for p in placed], timeout=60)
