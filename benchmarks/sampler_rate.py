@@ -19,7 +19,7 @@ import numpy as np
 import pynvml
 import ray
 
-from collector.placement import BackendSpec, launch_samplers
+from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 
 
 def bare_pynvml(handle, seconds: float) -> float:
@@ -90,7 +90,9 @@ def main() -> None:
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     result: dict = {"rounds": []}
-    placed = launch_samplers(BackendSpec("nvml"), rate_hz=0.0)[0]
+    placed = launch_samplers(
+        BackendSpec("nvml"), SamplerOptions(rate_hz=0.0, metrics_addr="127.0.0.1")
+    )[0]
     time.sleep(1.0)
     for _ in range(a.rounds):
         bare = bare_pynvml(handle, a.max_seconds)
@@ -105,7 +107,9 @@ def main() -> None:
         )
     ray.kill(placed.handle)
     time.sleep(1.0)
-    placed = launch_samplers(BackendSpec("nvml"), rate_hz=1000.0)[0]
+    placed = launch_samplers(
+        BackendSpec("nvml"), SamplerOptions(rate_hz=1000.0, metrics_addr="127.0.0.1")
+    )[0]
     time.sleep(1.0)
     k = actor_window(placed.handle, a.seconds)
     result["actor_1khz"] = k

@@ -46,6 +46,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {v}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -90,6 +100,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--address",
         help="Ray cluster address (default: RAY_ADDRESS, else a local cluster on 127.0.0.1)",
     )
+    r.add_argument(
+        "--run-id", default="", help="the run label on every series (default: time-based)"
+    )
+    r.add_argument(
+        "--targets",
+        type=Path,
+        metavar="FILE",
+        help="keep a Prometheus file_sd targets file current while the job runs",
+    )
+    r.add_argument(
+        "--metrics-addr",
+        metavar="ADDR",
+        help="address each sampler's /metrics binds (default: the node's IP; "
+        "0.0.0.0 only if you mean all interfaces)",
+    )
+    r.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        help="port for /metrics (default 0: the OS picks one per sampler)",
+    )
+    r.add_argument(
+        "--window",
+        type=_positive_float,
+        default=15.0,
+        help="trailing window of the window max/min gauges, seconds (default 15)",
+    )
+    rw = r.add_argument_group("remote write (every step pushed with its step-end timestamp)")
+    rw.add_argument("--remote-write", metavar="URL", help="e.g. http://127.0.0.1:9090/api/v1/write")
+    rw.add_argument("--remote-write-bearer-token-file", metavar="FILE")
+    rw.add_argument("--remote-write-bearer-token-env", metavar="VAR")
+    rw.add_argument("--remote-write-basic-user", metavar="USER")
+    rw.add_argument("--remote-write-basic-password-file", metavar="FILE")
+    rw.add_argument("--remote-write-basic-password-env", metavar="VAR")
+    rw.add_argument("--remote-write-ca-file", metavar="FILE")
+    rw.add_argument("--remote-write-insecure-skip-verify", action="store_true")
     r.add_argument(
         "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
     )
@@ -140,6 +186,21 @@ def _strip_dashes(args: list[str]) -> list[str]:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from collector.job import JobOptions, run_job
 
+    remote_write = None
+    if ns.remote_write:
+        from collector.export.remote_write import RemoteWriteConfig
+
+        remote_write = RemoteWriteConfig(
+            url=ns.remote_write,
+            bearer_token_file=ns.remote_write_bearer_token_file,
+            bearer_token_env=ns.remote_write_bearer_token_env,
+            basic_user=ns.remote_write_basic_user,
+            basic_password_file=ns.remote_write_basic_password_file,
+            basic_password_env=ns.remote_write_basic_password_env,
+            ca_file=ns.remote_write_ca_file,
+            insecure_skip_verify=ns.remote_write_insecure_skip_verify,
+        )
+        remote_write.authorization()  # a missing token file fails here, in one line
     opts = JobOptions(
         backend=ns.backend,
         captures=ns.captures or ["adamw_8bit"],
@@ -151,6 +212,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         workload_args=_strip_dashes(ns.workload_args),
         out=ns.out,
         ray_address=ns.address,
+        targets=ns.targets,
+        remote_write=remote_write,
+        metrics_addr=ns.metrics_addr,
+        metrics_port=ns.metrics_port,
+        window_s=ns.window,
+        run_id=ns.run_id,
     )
     run_job(opts)
     return 0
@@ -216,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except (CaptureError, NvmlError, ValueError) as exc:
+    except (CaptureError, NvmlError, ValueError, OSError) as exc:
         print(f"stepmem: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,12 +17,20 @@ from typing import Any
 
 import ray
 
-from collector.placement import BackendSpec, PlacedSampler, find_sampler, launch_samplers
+from collector.export.file_sd import TargetsRefresher, write_targets
+from collector.export.values import nontorch_bytes
+from collector.placement import (
+    BackendSpec,
+    PlacedSampler,
+    SamplerOptions,
+    find_sampler,
+    launch_samplers,
+)
 from collector.probe.core import Outbox
 from collector.records import StepEvent, StepRecord
 from collector.replay import Capture, resolve_capture
 
-__all__ = ["JobOptions", "nontorch_bytes", "run_job"]
+__all__ = ["JobOptions", "run_job"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,12 @@ class JobOptions:
     workload_args: list[str] = field(default_factory=list)
     out: Path | None = None
     ray_address: str | None = None
+    targets: Path | None = None  # Prometheus file_sd file kept current while the job runs
+    remote_write: Any = None  # RemoteWriteConfig
+    metrics_addr: str | None = None
+    metrics_port: int = 0
+    window_s: float = 15.0
+    run_id: str = ""
 
 
 def nvml_available() -> bool:
@@ -80,40 +94,23 @@ def _rate(rate_hz: float) -> str:
     return "max rate" if rate_hz == 0 else f"{rate_hz:g} Hz"
 
 
-def nontorch_bytes(rec: dict[str, Any]) -> int | None:
-    """Device memory not held by the torch allocator, beyond the CUDA-context baseline, at step
-    end: NVML ``used`` − torch reserved − baseline. None without torch statistics.
+def _init_ray(address: str | None) -> bool:
+    """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
+    loopback. Returns True when this process started a local cluster."""
+    import os
 
-    NVML v2 ``used`` equals CUDA's ``total − free`` from ``mem_get_info`` (both leave out the
-    driver-reserved memory; measured equal on the H200), so the baseline the probe took with
-    ``mem_get_info`` before training subtracts on the same footing."""
-    te = rec.get("torch_end") or {}
-    if "reserved_bytes.all.current" not in te:
-        return None
-    return (
-        rec["nvml_end_bytes"]
-        - te["reserved_bytes.all.current"]
-        - te.get("context_baseline_bytes", 0)
-    )
-
-
-def _init_ray(address: str | None) -> None:
     if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, namespace="stepmem", log_to_driver=True)
-    else:
-        import os
-
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(namespace="stepmem")
-        else:  # a local cluster on loopback only
-            ray.init(
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                namespace="stepmem",
-                configure_logging=False,
-            )
+        return False
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, namespace="stepmem")
+        return False
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        namespace="stepmem",
+        configure_logging=False,
+    )
+    return True
 
 
 def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | None, echo) -> int:
@@ -176,8 +173,22 @@ def _run_live(opts: JobOptions, echo) -> dict[str, Any]:
 def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
     echo(banner)
-    _init_ray(opts.ray_address)
-    placed = launch_samplers(spec, rate_hz=opts.rate_hz)
+    local = _init_ray(opts.ray_address)
+    # A cluster this job started itself is a single machine: keep /metrics on loopback there.
+    addr = opts.metrics_addr or ("127.0.0.1" if local else None)
+    options = SamplerOptions(
+        rate_hz=opts.rate_hz,
+        run_id=opts.run_id,
+        window_s=opts.window_s,
+        metrics_addr=addr,
+        metrics_port=opts.metrics_port,
+        remote_write=opts.remote_write,
+    )
+    placed = launch_samplers(spec, options)
+    refresher = None
+    if opts.targets is not None:
+        refresher = TargetsRefresher(opts.targets, [p.handle for p in placed])
+        echo(f"Prometheus targets: {opts.targets}")
     for p in placed:
         echo(
             f"sampler {p.name} ({p.info['name']}, {p.info['total_bytes'] / GIB:.1f} GiB, "
@@ -203,9 +214,13 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     for p in placed:
         records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
     records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
+    # Stop sampling, join what is pending and flush remote write on every sampler.
+    health = ray.get([p.handle.stop.remote() for p in placed], timeout=60)
+    if refresher is not None:
+        refresher.stop()
+        write_targets(opts.targets, [])  # the run is over: no stale targets left to alert on
     print_table(records, echo)
     if opts.out:
-        health = ray.get([p.handle.health.remote() for p in placed], timeout=60)
         doc = {
             "banner": banner,
             "records": records,

@@ -35,6 +35,7 @@ __all__ = [
     "NAMESPACE",
     "BackendSpec",
     "SamplerActor",
+    "SamplerOptions",
     "find_sampler",
     "launch_samplers",
     "sampler_name",
@@ -80,6 +81,39 @@ class BackendSpec:
         )
 
 
+def new_run_id() -> str:
+    """A run id for labels: UTC time and 4 random hex digits (bounded: one per run)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(2).hex()
+
+
+@dataclass
+class SamplerOptions:
+    """How each sampler actor samples and exports.
+
+    ``metrics_addr`` None binds ``/metrics`` to the node's own IP address (never all interfaces
+    unless ``"0.0.0.0"`` is asked for); ``metrics_port`` 0 lets the OS pick a free port (the
+    actor reports it in ``info()`` and the launcher writes it to the ``file_sd`` file).
+    ``remote_write`` (a :class:`collector.export.remote_write.RemoteWriteConfig`) pushes every
+    step record with its step-end timestamp.
+    """
+
+    rate_hz: float = 1000.0
+    capacity: int = DEFAULT_CAPACITY
+    run_id: str = ""
+    window_s: float = 15.0
+    metrics_addr: str | None = None
+    metrics_port: int = 0
+    remote_write: Any = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be 0..65535, got {self.metrics_port}")
+        if not self.window_s > 0:
+            raise ValueError(f"window must be > 0 s, got {self.window_s}")
+        if self.rate_hz < 0:
+            raise ValueError(f"rate must be >= 0 Hz (0 = max), got {self.rate_hz}")
+
+
 @ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=0)
 class SamplerActor:
     """Samples one GPU and joins the step events the training side sends it.
@@ -89,21 +123,35 @@ class SamplerActor:
     """
 
     def __init__(
-        self,
-        node_id: str,
-        gpu_uuid: str,
-        spec: BackendSpec,
-        rate_hz: float = 1000.0,
-        capacity: int = DEFAULT_CAPACITY,
+        self, node_id: str, gpu_uuid: str, spec: BackendSpec, options: SamplerOptions
     ) -> None:
+        from collector.export.prometheus import SamplerCollector, serve
+
         self.node_id = node_id
         self.spec = spec
+        self.options = options
         self.device = spec.build(node_id).open(gpu_uuid)
-        self.sampler = Sampler(self.device, rate_hz=rate_hz, capacity=capacity)
+        self.sampler = Sampler(self.device, rate_hz=options.rate_hz, capacity=options.capacity)
         self.joiner = StepJoiner(self.sampler)
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
+        self.labels = {
+            "node": node_id,
+            "gpu": str(self.device.info.index),
+            "gpu_uuid": self.device.info.uuid,
+            "run": options.run_id,
+        }
+        self.writer = None
+        if options.remote_write is not None:
+            from collector.export.remote_write import RemoteWriter
+
+            self.writer = RemoteWriter(options.remote_write)
         self.sampler.start()
+        addr = options.metrics_addr or ray.util.get_node_ip_address()
+        self._server, self.metrics_port = serve(
+            SamplerCollector(lambda: [self.snapshot()]), addr, options.metrics_port
+        )
+        self.metrics_addr = addr
         self._stop = threading.Event()
         self._join_thread = threading.Thread(
             target=self._join_loop, name="stepmem-join", daemon=True
@@ -113,9 +161,42 @@ class SamplerActor:
     def _join_loop(self) -> None:
         while not self._stop.wait(JOIN_INTERVAL_S):
             try:
-                self.joiner.poll()
+                self._publish(self.joiner.poll())
             except Exception:  # never let the join thread die silently
                 log.exception("step join failed")
+
+    def _publish(self, records: list[Any]) -> None:
+        if self.writer is not None and records:
+            offset = time.time_ns() - time.monotonic_ns()
+            for rec in records:
+                self.writer.push_step(self.labels, rec.to_dict(), offset)
+
+    def snapshot(self) -> Any:
+        """What ``/metrics`` shows for this GPU now (see :mod:`collector.export.prometheus`)."""
+        from collector.export.prometheus import Snapshot
+
+        s, ring = self.sampler, self.sampler.ring
+        last = ring.last()
+        snap = Snapshot(
+            labels=self.labels,
+            total_bytes=self.device.info.total_bytes,
+            window_s=self.options.window_s,
+            samples_total=ring.count,
+            errors=dict(s.errors),
+            missed_deadlines=s.missed,
+            dropped=dict(self.events_rejected) | dict(self.joiner.rejected),
+            rate_hz=s.achieved_rate_hz(),
+            target_rate_hz=s.rate_hz,
+            up=s.alive,
+            steps_joined=len(self.joiner.records),
+            last_record=self.joiner.records[-1].to_dict() if self.joiner.records else None,
+            remote_write=self.writer.stats() if self.writer is not None else {},
+        )
+        if last is not None:
+            snap.used_bytes, snap.reserved_bytes = last[1], last[2]
+            w = ring.window(last[0] - int(self.options.window_s * 1e9), last[0])
+            snap.window_max_bytes, snap.window_min_bytes = int(w.used.max()), int(w.used.min())
+        return snap
 
     def info(self) -> dict[str, Any]:
         d = self.device.info
@@ -129,6 +210,9 @@ class SamplerActor:
             "backend": self.device.backend,
             "memory_info_version": self.device.memory_info_version,
             "rate_hz": self.sampler.rate_hz,
+            "run_id": self.options.run_id,
+            "metrics_addr": self.metrics_addr,
+            "metrics_port": self.metrics_port,
             "capacity": self.sampler.ring.capacity,
             "ring_bytes": self.sampler.ring.nbytes,
             "pid": os.getpid(),
@@ -163,7 +247,7 @@ class SamplerActor:
 
     def step_records(self, since_step: int = -1, flush: bool = False) -> list[dict[str, Any]]:
         """Joined step records with ``step > since_step``; ``flush`` joins pending steps now."""
-        self.joiner.poll(force=flush)
+        self._publish(self.joiner.poll(force=flush))
         return [r.to_dict() for r in self.joiner.records if r.step > since_step]
 
     def last(self) -> tuple[int, int, int] | None:
@@ -210,13 +294,16 @@ class SamplerActor:
             "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
             "steps_pending": self.joiner.pending,
             "steps_joined": len(self.joiner.records),
+            "remote_write": self.writer.stats() if self.writer is not None else None,
         }
 
     def stop(self) -> dict[str, Any]:
-        """Stop sampling, join every pending step, and return the final health."""
+        """Stop sampling, join every pending step, flush remote write, return the final health."""
         self.sampler.stop()
         self._stop.set()
-        self.joiner.poll(force=True)
+        self._publish(self.joiner.poll(force=True))
+        if self.writer is not None:
+            self.writer.close()
         return self.health()
 
 
@@ -250,8 +337,7 @@ class PlacedSampler:
 
 def launch_samplers(
     spec: BackendSpec,
-    rate_hz: float = 1000.0,
-    capacity: int = DEFAULT_CAPACITY,
+    options: SamplerOptions | None = None,
     detached: bool = False,
     nodes: list[str] | None = None,
 ) -> list[PlacedSampler]:
@@ -260,6 +346,9 @@ def launch_samplers(
     Idempotent: an actor that already exists under the same name is reused, not doubled. Raises
     ``RuntimeError`` when no node has a GPU for the chosen backend.
     """
+    options = options or SamplerOptions()
+    if not options.run_id:
+        options.run_id = new_run_id()
     if spec.kind == "replay" and spec.origin_ns is None:
         spec.origin_ns = time.monotonic_ns()
     placed = []
@@ -272,7 +361,7 @@ def launch_samplers(
                 get_if_exists=True,
                 lifetime="detached" if detached else None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(node_id, gpu["uuid"], spec, rate_hz, capacity)
+            ).remote(node_id, gpu["uuid"], spec, options)
             placed.append(PlacedSampler(node_id, gpu["uuid"], name, handle, {}))
     if not placed:
         raise RuntimeError(

@@ -55,3 +55,11 @@ def kill_samplers(ray_cluster: None) -> Iterator[list]:
     for h in handles:
         ray.kill(h, no_restart=True)
     forget_samplers()
+
+
+def loopback(**kw):
+    """SamplerOptions for tests: /metrics bound to 127.0.0.1 (Ray's node address here may be the
+    machine's outward one; tests only ever talk to loopback)."""
+    from collector.placement import SamplerOptions
+
+    return SamplerOptions(metrics_addr="127.0.0.1", **kw)

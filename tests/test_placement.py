@@ -14,21 +14,21 @@ from collector.placement import (
     sampler_name,
 )
 from collector.replay import Capture, resolve_capture
-from tests.conftest import wait_for
+from tests.conftest import loopback, wait_for
 
 pytestmark = pytest.mark.ray
 
 
 def test_one_actor_per_simulated_gpu_named_by_uuid_and_launch_is_idempotent(kill_samplers):
     spec = BackendSpec("replay", captures=["idle"], gpus=3)
-    placed = launch_samplers(spec)
+    placed = launch_samplers(spec, loopback())
     kill_samplers.extend(p.handle for p in placed)
     node = ray.get_runtime_context().get_node_id()
     assert len(placed) == 3 and len({p.gpu_uuid for p in placed}) == 3
     for p in placed:
         assert p.name == sampler_name(node, p.gpu_uuid) == f"stepmem:{node}:{p.gpu_uuid}"
         assert p.info["backend"] == "replay" and p.info["node_id"] == node
-    again = launch_samplers(spec)
+    again = launch_samplers(spec, loopback())
     assert {p.name for p in again} == {p.name for p in placed}
     assert [n for n in list_samplers() if n in {p.name for p in placed}] == sorted(
         p.name for p in placed
@@ -52,7 +52,7 @@ def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
     if nvml_available():
         pytest.skip("this machine has GPUs")
     with pytest.raises(RuntimeError, match="no GPU found on any alive Ray node"):
-        launch_samplers(BackendSpec("nvml"))
+        launch_samplers(BackendSpec("nvml"), loopback())
 
 
 def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) -> None:
@@ -75,7 +75,7 @@ def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) ->
 def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, steps, speed):
     cap = Capture.load(resolve_capture(capture))
     spec = BackendSpec("replay", captures=[capture], gpus=2, speed=speed)
-    placed = launch_samplers(spec, rate_hz=1000)
+    placed = launch_samplers(spec, loopback(rate_hz=1000))
     kill_samplers.extend(p.handle for p in placed)
     first = min(e["t_ns"] for e in cap.events)
     origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
@@ -102,7 +102,7 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
 
 
 def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers):
-    (p,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1))
+    (p,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(p.handle)
     bad = [
         {"kind": "explode", "step": 1, "t_ns": 5, "gpu_uuid": p.gpu_uuid},

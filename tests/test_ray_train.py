@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from collector.placement import BackendSpec, launch_samplers
-from tests.conftest import wait_for
+from tests.conftest import loopback, wait_for
 
 pytestmark = pytest.mark.ray
 pytest.importorskip("torch")
@@ -38,7 +38,7 @@ def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1))
+    (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(placed.handle)
     trainer = TorchTrainer(
         train_loop,

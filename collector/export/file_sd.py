@@ -1,0 +1,97 @@
+"""Prometheus ``file_sd`` targets: one entry per sampler, written atomically.
+
+The file is a JSON list of ``{"targets": ["host:port"], "labels": {...}}`` objects, the format
+Prometheus' ``file_sd_configs`` watches (it re-reads the file when it changes). Labels give
+``node``, ``gpu``, ``gpu_uuid`` and ``run`` so every scraped series carries them even before the
+first scrape succeeds (``up`` included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TargetsRefresher", "targets_for", "write_targets"]
+
+
+def targets_for(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """file_sd entries for sampler ``info()`` dicts, sorted for stable output."""
+    out = []
+    for info in sorted(infos, key=lambda i: (i["node_id"], i["index"], i["gpu_uuid"])):
+        out.append(
+            {
+                "targets": [f"{info['metrics_addr']}:{info['metrics_port']}"],
+                "labels": {
+                    "node": info["node_id"],
+                    "gpu": str(info["index"]),
+                    "gpu_uuid": info["gpu_uuid"],
+                    "run": info["run_id"],
+                },
+            }
+        )
+    return out
+
+
+def write_targets(path: str | Path, infos: list[dict[str, Any]]) -> bool:
+    """Write the targets file if its content changed (atomically: temp file + rename).
+
+    Returns True when the file was (re)written.
+    """
+    path = Path(path)
+    text = json.dumps(targets_for(infos), indent=1) + "\n"
+    try:
+        if path.read_text() == text:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True
+
+
+class TargetsRefresher:
+    """Keeps a ``file_sd`` file current for a set of sampler actors (a daemon thread).
+
+    Every ``interval_s`` it asks each actor for its ``info()`` (bounded by ``timeout_s``); actors
+    that do not answer drop out of the file, restarted ones come back with their new port.
+    """
+
+    def __init__(
+        self, path: str | Path, handles: list[Any], interval_s: float = 5.0, timeout_s: float = 5.0
+    ) -> None:
+        import threading
+
+        self.path = Path(path)
+        self.handles = handles
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.writes = 0
+        self._stop = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="stepmem-file-sd", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> list[dict[str, Any]]:
+        import ray
+
+        infos = []
+        for h in self.handles:
+            try:
+                infos.append(ray.get(h.info.remote(), timeout=self.timeout_s))
+            except Exception:  # a dead or stuck sampler is not a target
+                continue
+        if write_targets(self.path, infos):
+            self.writes += 1
+        return infos
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout_s + self.interval_s)

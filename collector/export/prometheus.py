@@ -1,0 +1,129 @@
+"""Prometheus pull: a custom collector that builds metric families at scrape time, and its server.
+
+:class:`SamplerCollector` reads :class:`Snapshot` objects (one per GPU) when Prometheus scrapes
+and emits every family of :data:`collector.metrics.METRICS` it has data for. A snapshot that
+fails to build is logged and skipped — a collector never breaks a scrape. The HTTP server is
+prometheus-client's: it answers ``GET /metrics`` (and ``HEAD``) only; nothing accepts writes.
+
+Scrape cost: a handful of dict lookups per GPU plus one window max/min over the ring (at 1 kHz
+and a 15 s window, 15,000 int64s); see ``benchmarks/scrape_cost.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from collector.export.values import step_values
+from collector.metrics import GPU_LABELS, METRICS
+
+__all__ = ["SamplerCollector", "Snapshot", "serve"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Snapshot:
+    """What one GPU's sampler knows at scrape time."""
+
+    labels: dict[str, str]  # GPU_LABELS → values
+    total_bytes: int
+    used_bytes: int | None = None
+    reserved_bytes: int | None = None
+    window_s: float = 15.0
+    window_max_bytes: int | None = None
+    window_min_bytes: int | None = None
+    last_record: dict[str, Any] | None = None
+    samples_total: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    missed_deadlines: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    rate_hz: float = 0.0
+    target_rate_hz: float = 0.0
+    up: bool = True
+    steps_joined: int = 0
+    remote_write: dict[str, Any] = field(default_factory=dict)
+
+
+def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
+    if s.used_bytes is not None:
+        yield "stepmem_nvml_used_bytes", {}, s.used_bytes
+        yield "stepmem_nvml_reserved_bytes", {}, s.reserved_bytes or 0
+    yield "stepmem_nvml_total_bytes", {}, s.total_bytes
+    yield "stepmem_window_seconds", {}, s.window_s
+    if s.window_max_bytes is not None:
+        yield "stepmem_nvml_used_window_max_bytes", {}, s.window_max_bytes
+        yield "stepmem_nvml_used_window_min_bytes", {}, s.window_min_bytes or 0
+    rec = s.last_record
+    if rec is not None:
+        yield from step_values(rec)
+        yield "stepmem_step_gap", {}, 1 if rec.get("gap") else 0
+        te = rec.get("torch_end") or {}
+        if "num_alloc_retries" in te:
+            yield "stepmem_torch_alloc_retries_total", {}, te["num_alloc_retries"]
+            yield "stepmem_torch_ooms_total", {}, te.get("num_ooms", 0)
+    yield "stepmem_sampler_samples_total", {}, s.samples_total
+    for kind, n in s.errors.items():
+        yield "stepmem_sampler_errors_total", {"kind": kind}, n
+    yield "stepmem_sampler_missed_deadlines_total", {}, s.missed_deadlines
+    for reason, n in s.dropped.items():
+        yield "stepmem_sampler_dropped_total", {"reason": reason}, n
+    yield "stepmem_sampler_rate_hz", {}, s.rate_hz
+    yield "stepmem_sampler_target_rate_hz", {}, s.target_rate_hz
+    yield "stepmem_sampler_up", {}, 1 if s.up else 0
+    yield "stepmem_steps_joined_total", {}, s.steps_joined
+    rw = s.remote_write
+    if rw:
+        yield "stepmem_remote_write_samples_total", {}, rw.get("sent", 0)
+        yield "stepmem_remote_write_pending", {}, rw.get("pending", 0)
+        for reason, n in rw.get("dropped", {}).items():
+            yield "stepmem_remote_write_dropped_total", {"reason": reason}, n
+
+
+class SamplerCollector:
+    """A prometheus-client collector over ``snapshots()`` (one :class:`Snapshot` per GPU)."""
+
+    def __init__(self, snapshots: Callable[[], list[Snapshot]]) -> None:
+        self._snapshots = snapshots
+
+    def describe(self) -> list[Metric]:
+        return []  # do not collect at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for m in METRICS:
+            cls = CounterMetricFamily if m.type == "counter" else GaugeMetricFamily
+            # CounterMetricFamily wants the name without _total; it adds the suffix back.
+            name = m.name.removesuffix("_total") if m.type == "counter" else m.name
+            families[m.name] = cls(name, m.help, labels=list(m.labels))
+        try:
+            snapshots = self._snapshots()
+        except Exception:
+            log.exception("stepmem: building metric snapshots failed; scrape served empty")
+            snapshots = []
+        for snap in snapshots:
+            try:
+                base = [str(snap.labels[k]) for k in GPU_LABELS]
+                for name, extra, value in _values(snap):
+                    fam = families[name]
+                    fam.add_metric(base + [str(v) for v in extra.values()], float(value))
+            except Exception:
+                log.exception("stepmem: metrics for %s skipped", snap.labels.get("gpu_uuid"))
+        return [f for f in families.values() if f.samples]
+
+
+def serve(collector: SamplerCollector, addr: str, port: int = 0) -> tuple[Any, int]:
+    """Serve ``collector`` on ``http://addr:port/metrics`` (port 0: the OS picks one).
+
+    Returns the server and the port it bound. ``addr`` is the node's own address by default at
+    the call sites; pass ``0.0.0.0`` only when all interfaces are really wanted.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, server.server_port

@@ -1,0 +1,289 @@
+"""Prometheus remote write: every step record pushed with its own step-end timestamp.
+
+Wire format (Prometheus remote-write 1.0): a protobuf ``WriteRequest`` compressed with snappy's
+**block** format (``cramjam.snappy.compress_raw``; the *framed* format, which some snappy APIs
+produce by default, is rejected by Prometheus), POSTed with ``Content-Encoding: snappy``,
+``Content-Type: application/x-protobuf`` and ``X-Prometheus-Remote-Write-Version: 0.1.0``. The
+message has three tiny types, so it is encoded here by hand (:func:`encode_write_request`) rather
+than through generated protobuf code and a ``protoc`` step.
+
+Behaviour: :meth:`RemoteWriter.push_step` only appends to a bounded buffer (oldest samples are
+dropped and counted when it is full); a daemon thread sends batches off the sampling and join
+threads. 5xx answers and connection errors are retried with exponential backoff, keeping the
+batch; 4xx answers are logged with Prometheus' reason and dropped (counted), never retried — one
+bad sample rejects a whole request. Within a series timestamps must increase: a step ending in
+the same millisecond as the previous one is moved 1 ms later (counted as ``shifted``).
+
+Credentials come from a file or an environment variable named in the config, are read when the
+writer starts, and never appear in logs, metrics, ``repr`` or the run store.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import ssl
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cramjam
+
+from collector.export.values import step_values
+from collector.metrics import PUSH_JOB
+
+__all__ = ["RemoteWriteConfig", "RemoteWriter", "encode_write_request"]
+
+log = logging.getLogger(__name__)
+
+Series = tuple[tuple[str, str], ...]  # sorted (label, value) pairs, __name__ included
+
+
+@dataclass
+class RemoteWriteConfig:
+    """Where and how to push. Secrets are named (file or environment variable), never inlined."""
+
+    url: str
+    bearer_token_file: str | None = None
+    bearer_token_env: str | None = None
+    basic_user: str | None = None
+    basic_password_file: str | None = None
+    basic_password_env: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure_skip_verify: bool = False
+    timeout_s: float = 5.0
+    batch_max: int = 5000
+    buffer_max: int = 200_000
+    flush_interval_s: float = 1.0
+    backoff_min_s: float = 0.2
+    backoff_max_s: float = 10.0
+    job: str = PUSH_JOB
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"remote-write URL must be http:// or https://, got {self.url!r}")
+        if self.buffer_max < 1 or self.batch_max < 1:
+            raise ValueError("remote-write buffer and batch sizes must be >= 1")
+        if (self.bearer_token_file or self.bearer_token_env) and self.basic_user:
+            raise ValueError("choose bearer-token or basic auth for remote write, not both")
+
+    def authorization(self) -> str | None:
+        """The ``Authorization`` header value, read now from the named file or variable."""
+
+        def secret(path: str | None, env: str | None, what: str) -> str:
+            if path:
+                return Path(path).read_text().strip()
+            if env:
+                value = os.environ.get(env)
+                if value is None:
+                    raise ValueError(f"remote write: environment variable {env} ({what}) unset")
+                return value.strip()
+            raise ValueError(f"remote write: no {what} source given")
+
+        if self.bearer_token_file or self.bearer_token_env:
+            return "Bearer " + secret(self.bearer_token_file, self.bearer_token_env, "token")
+        if self.basic_user:
+            pw = secret(self.basic_password_file, self.basic_password_env, "password")
+            return "Basic " + base64.b64encode(f"{self.basic_user}:{pw}".encode()).decode()
+        return None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.url.startswith("https://"):
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.insecure_skip_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+# -- protobuf by hand ------------------------------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1  # int64 two's complement, as protobuf encodes negative int64
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field_bytes(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def encode_write_request(series: dict[Series, list[tuple[int, float]]]) -> bytes:
+    """``WriteRequest{timeseries: [TimeSeries{labels: [Label{name, value}],
+    samples: [Sample{value: double, timestamp: int64 ms}]}]}`` as protobuf bytes."""
+    out = bytearray()
+    for labels, samples in series.items():
+        ts = bytearray()
+        for name, value in labels:
+            ts += _field_bytes(1, _field_bytes(1, name.encode()) + _field_bytes(2, value.encode()))
+        for t_ms, value in samples:
+            sample = b"\x09" + struct.pack("<d", value) + b"\x10" + _varint(t_ms)
+            ts += _field_bytes(2, sample)
+        out += _field_bytes(1, bytes(ts))
+    return bytes(out)
+
+
+class RemoteWriter:
+    """Buffers samples and sends them from a daemon thread. Never blocks its callers."""
+
+    def __init__(self, config: RemoteWriteConfig) -> None:
+        self.config = config
+        self.sent = 0
+        self.requests = 0
+        self.dropped: Counter[str] = Counter()
+        self.shifted = 0
+        self.last_error = ""
+        self._auth = config.authorization()
+        self._ssl = config.ssl_context()
+        self._buf: deque[tuple[Series, int, float]] = deque()
+        self._last_ts: dict[Series, int] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._retrying = False
+        self._thread = threading.Thread(target=self._run, name="stepmem-remote-write", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:  # never show the Authorization value
+        return f"RemoteWriter(url={self.config.url!r}, sent={self.sent}, pending={len(self._buf)})"
+
+    def push(self, name: str, labels: dict[str, str], t_ms: int, value: float) -> None:
+        key: Series = tuple(sorted({**labels, "__name__": name, "job": self.config.job}.items()))
+        with self._lock:
+            last = self._last_ts.get(key)
+            if last is not None and t_ms <= last:
+                t_ms = last + 1
+                self.shifted += 1
+            self._last_ts[key] = t_ms
+            if len(self._buf) >= self.config.buffer_max:
+                self._buf.popleft()
+                self.dropped["buffer_full"] += 1
+            self._buf.append((key, t_ms, value))
+            full = len(self._buf) >= self.config.batch_max
+        if full and not self._retrying:  # during backoff, wait it out
+            self._wake.set()
+
+    def push_step(self, labels: dict[str, str], rec: dict[str, Any], wall_offset_ns: int) -> None:
+        """Every per-step value of ``rec`` at its step-end time (monotonic + ``wall_offset_ns``)."""
+        t_ms = (rec["end_ns"] + wall_offset_ns) // 1_000_000
+        for name, extra, value in step_values(rec):
+            self.push(name, {**labels, **extra}, t_ms, float(value))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "sent": self.sent,
+            "pending": len(self._buf),
+            "dropped": dict(self.dropped),
+            "requests": self.requests,
+            "shifted": self.shifted,
+        }
+
+    def _take(self) -> list[tuple[Series, int, float]]:
+        with self._lock:
+            n = min(len(self._buf), self.config.batch_max)
+            return [self._buf.popleft() for _ in range(n)]
+
+    def _put_back(self, batch: list[tuple[Series, int, float]]) -> None:
+        with self._lock:
+            room = self.config.buffer_max - len(self._buf)
+            if room < len(batch):  # keep the newest of the failed batch that still fits
+                self.dropped["buffer_full"] += len(batch) - max(room, 0)
+                batch = batch[len(batch) - max(room, 0) :]
+            self._buf.extendleft(reversed(batch))
+
+    def _post(self, body: bytes) -> int:
+        headers = {
+            "Content-Encoding": "snappy",
+            "Content-Type": "application/x-protobuf",
+            "X-Prometheus-Remote-Write-Version": "0.1.0",
+            "User-Agent": "stepmem",
+        }
+        if self._auth:
+            headers["Authorization"] = self._auth
+        req = urllib.request.Request(self.config.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.config.timeout_s, context=self._ssl) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            reason = exc.read(500).decode(errors="replace").strip()
+            self.last_error = f"HTTP {exc.code}: {reason}"
+            return exc.code
+
+    def send_once(self) -> bool:
+        """Send one batch. Returns False when it should be retried later (5xx, no connection)."""
+        batch = self._take()
+        if not batch:
+            return True
+        series: dict[Series, list[tuple[int, float]]] = {}
+        for key, t_ms, value in batch:
+            series.setdefault(key, []).append((t_ms, value))
+        body = cramjam.snappy.compress_raw(encode_write_request(series))
+        try:
+            status = self._post(bytes(body))
+        except (urllib.error.URLError, OSError) as exc:
+            self.last_error = f"connection: {getattr(exc, 'reason', exc)}"
+            self._put_back(batch)
+            return False
+        self.requests += 1
+        if 200 <= status < 300:
+            self.sent += len(batch)
+            return True
+        if 400 <= status < 500:
+            self.dropped["rejected_4xx"] += len(batch)
+            log.warning(
+                "remote write rejected %d samples, not retried: %s", len(batch), self.last_error
+            )
+            return True
+        self._put_back(batch)
+        return False
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            self._wake.wait(backoff or self.config.flush_interval_s)
+            self._wake.clear()
+            ok = True
+            while ok and self._buf:
+                ok = self.send_once()
+            self._retrying = not ok
+            if ok:
+                backoff = 0.0
+            else:
+                backoff = min(
+                    max(backoff * 2, self.config.backoff_min_s), self.config.backoff_max_s
+                )
+                log.info("remote write failed (%s); retrying in %.1f s", self.last_error, backoff)
+            if self._closed:
+                return
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is buffered (bounded by ``timeout``), then stop."""
+        deadline = time.monotonic() + timeout
+        self._closed = True
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        while self._buf and time.monotonic() < deadline:
+            if not self.send_once():
+                break
+        if self._buf:
+            self.dropped["gave_up"] += len(self._buf)

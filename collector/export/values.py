@@ -1,0 +1,55 @@
+"""Step record → metric values, shared by the pull collector and remote write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["step_values"]
+
+_TORCH_END = {
+    "stepmem_step_torch_allocated_end_bytes": "allocated_bytes.all.current",
+    "stepmem_step_torch_reserved_end_bytes": "reserved_bytes.all.current",
+}
+
+
+def nontorch_bytes(rec: dict[str, Any]) -> int | None:
+    """NVML used − torch reserved − CUDA-context baseline at step end; None without torch stats.
+
+    NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out driver-reserved memory;
+    measured equal on the H200), so the baseline the probe took with ``mem_get_info`` before
+    training subtracts on the same footing.
+    """
+    te = rec.get("torch_end") or {}
+    if "reserved_bytes.all.current" not in te:
+        return None
+    return (
+        rec["nvml_end_bytes"]
+        - te["reserved_bytes.all.current"]
+        - te.get("context_baseline_bytes", 0)
+    )
+
+
+def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
+    """``(metric, extra labels, value)`` for every per-step series a step record has data for."""
+    out: list[tuple[str, dict[str, str], float]] = [
+        ("stepmem_step", {}, rec["step"]),
+        ("stepmem_step_duration_seconds", {}, (rec["end_ns"] - rec["begin_ns"]) / 1e9),
+        ("stepmem_step_nvml_peak_bytes", {}, rec["nvml_peak_bytes"]),
+        ("stepmem_step_nvml_end_bytes", {}, rec["nvml_end_bytes"]),
+    ]
+    for name, key in (
+        ("stepmem_step_torch_allocated_peak_bytes", "torch_allocated_peak_bytes"),
+        ("stepmem_step_torch_reserved_peak_bytes", "torch_reserved_peak_bytes"),
+    ):
+        if rec.get(key) is not None:
+            out.append((name, {}, rec[key]))
+    te = rec.get("torch_end") or {}
+    for name, key in _TORCH_END.items():
+        if key in te:
+            out.append((name, {}, te[key]))
+    nt = nontorch_bytes(rec)
+    if nt is not None:
+        out.append(("stepmem_step_nontorch_bytes", {}, nt))
+    for kind, value in (rec.get("ledger") or {}).items():
+        out.append(("stepmem_step_ledger_bytes", {"kind": kind}, value))
+    return out

@@ -1,0 +1,254 @@
+"""The metric table: every series stepmem exports, as data.
+
+The exporter builds its families from this table; dashboards and alert rules are checked against
+it by tests. Names are in base units with the usual suffixes (``_bytes``, ``_seconds``,
+``_total``); no label carries an unbounded value (no step number, no timestamp).
+
+Labels on every GPU series:
+
+* ``node`` — the Ray node id the sampler runs on;
+* ``gpu`` — NVML's index of the GPU on that node (for reading; the UUID is the identity);
+* ``gpu_uuid`` — the GPU's UUID;
+* ``run`` — the run (job) id the samplers were launched for.
+
+Series reach Prometheus two ways: scraped from each sampler's ``/metrics`` (scrape config
+``job="stepmem"``), and — for per-step values, which change faster than any scrape interval —
+pushed through remote write with each step's end timestamp, under ``job="stepmem-steps"``
+(:data:`PUSHED`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GPU_LABELS", "METRICS", "PUSHED", "PUSH_JOB", "Metric", "by_name"]
+
+GPU_LABELS = ("node", "gpu", "gpu_uuid", "run")
+PUSH_JOB = "stepmem-steps"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    type: str  # "gauge" | "counter"
+    unit: str  # "bytes" | "seconds" | "hertz" | "" (a count or an index)
+    help: str
+    labels: tuple[str, ...] = GPU_LABELS
+
+    def __post_init__(self) -> None:
+        if self.type not in ("gauge", "counter"):
+            raise ValueError(f"{self.name}: type must be gauge or counter")
+        if (self.type == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: counters, and only counters, end in _total")
+        if self.unit == "bytes" and not self.name.endswith("_bytes"):
+            raise ValueError(f"{self.name}: a bytes metric must end in _bytes")
+        if self.unit == "seconds" and not self.name.endswith("_seconds"):
+            raise ValueError(f"{self.name}: a seconds metric must end in _seconds")
+
+
+_NVML_USED = (
+    "NVML v2 device 'used' memory: everything allocated on the GPU by every process, including "
+    "CUDA managed memory resident there, excluding driver-reserved memory"
+)
+
+METRICS: tuple[Metric, ...] = (
+    # -- live NVML readings ------------------------------------------------------------------
+    Metric("stepmem_nvml_used_bytes", "gauge", "bytes", f"Last sample of {_NVML_USED}."),
+    Metric(
+        "stepmem_nvml_reserved_bytes",
+        "gauge",
+        "bytes",
+        "NVML v2 driver-reserved memory (0 when the driver only answers v1).",
+    ),
+    Metric("stepmem_nvml_total_bytes", "gauge", "bytes", "NVML total device memory."),
+    Metric(
+        "stepmem_nvml_used_window_max_bytes",
+        "gauge",
+        "bytes",
+        "Largest NVML used sample over the trailing window (stepmem_window_seconds long, "
+        "ending at the newest sample); computed from the ring buffer, never reset on scrape.",
+    ),
+    Metric(
+        "stepmem_nvml_used_window_min_bytes",
+        "gauge",
+        "bytes",
+        "Smallest NVML used sample over the same trailing window.",
+    ),
+    Metric(
+        "stepmem_window_seconds",
+        "gauge",
+        "seconds",
+        "Length of the trailing window of the _window_max/_window_min gauges.",
+    ),
+    # -- the last completed step -------------------------------------------------------------
+    Metric(
+        "stepmem_step",
+        "gauge",
+        "",
+        "Number of the last completed (joined) step. Pushed series carry every step.",
+    ),
+    Metric(
+        "stepmem_step_duration_seconds",
+        "gauge",
+        "seconds",
+        "Wall time between the step's begin and end marks.",
+    ),
+    Metric(
+        "stepmem_step_nvml_peak_bytes",
+        "gauge",
+        "bytes",
+        "Largest NVML used sample between the step's begin and end marks.",
+    ),
+    Metric(
+        "stepmem_step_nvml_end_bytes",
+        "gauge",
+        "bytes",
+        "NVML used at the step's end (first sample at or after the end mark).",
+    ),
+    Metric(
+        "stepmem_step_torch_allocated_peak_bytes",
+        "gauge",
+        "bytes",
+        "PyTorch allocator: peak allocated bytes inside the step (tensors in use).",
+    ),
+    Metric(
+        "stepmem_step_torch_reserved_peak_bytes",
+        "gauge",
+        "bytes",
+        "PyTorch allocator: peak reserved bytes inside the step (memory the caching "
+        "allocator holds from the driver, used or cached).",
+    ),
+    Metric(
+        "stepmem_step_torch_allocated_end_bytes",
+        "gauge",
+        "bytes",
+        "PyTorch allocator: allocated bytes at the step's end mark.",
+    ),
+    Metric(
+        "stepmem_step_torch_reserved_end_bytes",
+        "gauge",
+        "bytes",
+        "PyTorch allocator: reserved bytes at the step's end mark. Reserved minus allocated "
+        "is the allocator's cache and fragmentation.",
+    ),
+    Metric(
+        "stepmem_step_nontorch_bytes",
+        "gauge",
+        "bytes",
+        "NVML used minus torch reserved minus the CUDA-context baseline, at step end: memory "
+        "the torch allocator does not hold (managed/paged optimizer state, other libraries).",
+    ),
+    Metric(
+        "stepmem_step_ledger_bytes",
+        "gauge",
+        "bytes",
+        "Memory ledger at step end by kind: parameters, gradients, optimizer_state (on the "
+        "device), optimizer_state_managed (CUDA managed/paged), other_allocated.",
+        (*GPU_LABELS, "kind"),
+    ),
+    Metric(
+        "stepmem_step_gap",
+        "gauge",
+        "",
+        "1 when the last step's sample window had a gap (sampler restarted, ring overrun, "
+        "stall), else 0.",
+    ),
+    # -- allocator pressure ------------------------------------------------------------------
+    Metric(
+        "stepmem_torch_alloc_retries_total",
+        "counter",
+        "",
+        "PyTorch allocator retries (cudaMalloc failed, cache flushed, retried), as of the "
+        "last step.",
+    ),
+    Metric(
+        "stepmem_torch_ooms_total",
+        "counter",
+        "",
+        "PyTorch out-of-memory errors raised by the allocator, as of the last step.",
+    ),
+    # -- the collector's own health ----------------------------------------------------------
+    Metric("stepmem_sampler_samples_total", "counter", "", "NVML samples taken."),
+    Metric(
+        "stepmem_sampler_errors_total",
+        "counter",
+        "",
+        "NVML errors by kind (not_supported, gpu_lost, not_found, unavailable, unknown, internal).",
+        (*GPU_LABELS, "kind"),
+    ),
+    Metric(
+        "stepmem_sampler_missed_deadlines_total",
+        "counter",
+        "",
+        "Sampling deadlines skipped because the thread woke more than a period late.",
+    ),
+    Metric(
+        "stepmem_sampler_dropped_total",
+        "counter",
+        "",
+        "Step events rejected by the sampler, by reason (malformed, wrong_gpu, "
+        "end_without_begin, ...).",
+        (*GPU_LABELS, "reason"),
+    ),
+    Metric(
+        "stepmem_sampler_rate_hz",
+        "gauge",
+        "hertz",
+        "Achieved sampling rate over the last 5 s (configured: stepmem_sampler_target_rate_hz).",
+    ),
+    Metric(
+        "stepmem_sampler_target_rate_hz",
+        "gauge",
+        "hertz",
+        "Configured sampling rate; 0 means 'max' (back to back).",
+    ),
+    Metric(
+        "stepmem_sampler_up",
+        "gauge",
+        "",
+        "1 while the sampling thread runs; 0 after it stopped (e.g. GPU lost).",
+    ),
+    Metric("stepmem_steps_joined_total", "counter", "", "Step records joined."),
+    Metric(
+        "stepmem_remote_write_samples_total",
+        "counter",
+        "",
+        "Samples accepted by the remote-write receiver.",
+    ),
+    Metric(
+        "stepmem_remote_write_dropped_total",
+        "counter",
+        "",
+        "Remote-write samples dropped, by reason (buffer_full, rejected_4xx, gave_up).",
+        (*GPU_LABELS, "reason"),
+    ),
+    Metric(
+        "stepmem_remote_write_pending", "gauge", "", "Samples waiting in the remote-write buffer."
+    ),
+)
+
+#: Metrics pushed per step (remote write, step-end timestamps, ``job="stepmem-steps"``).
+PUSHED = (
+    "stepmem_step",
+    "stepmem_step_duration_seconds",
+    "stepmem_step_nvml_peak_bytes",
+    "stepmem_step_nvml_end_bytes",
+    "stepmem_step_torch_allocated_peak_bytes",
+    "stepmem_step_torch_reserved_peak_bytes",
+    "stepmem_step_torch_allocated_end_bytes",
+    "stepmem_step_torch_reserved_end_bytes",
+    "stepmem_step_nontorch_bytes",
+    "stepmem_step_ledger_bytes",
+)
+
+_BY_NAME = {m.name: m for m in METRICS}
+if len(_BY_NAME) != len(METRICS):
+    raise ValueError("duplicate metric names in METRICS")
+
+
+def by_name(name: str) -> Metric:
+    """The table entry for ``name``; ``KeyError`` names metrics that are not in the table."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in stepmem's metric table") from None

@@ -1,0 +1,197 @@
+"""Export against a real Prometheus on loopback: scrape through file_sd, remote write of every
+step at its own time, window gauges, promtool, outages and rejections."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from collector.export.file_sd import TargetsRefresher
+from collector.export.remote_write import RemoteWriteConfig, RemoteWriter
+from collector.placement import BackendSpec, launch_samplers
+from collector.probe.core import Outbox, StepProbe
+from collector.replay import Capture, resolve_capture
+from tests.conftest import loopback, wait_for
+from tests.prom import Prometheus, free_port, require
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def prom(tmp_path_factory):
+    p = Prometheus(tmp_path_factory.mktemp("prom")).start()
+    yield p
+    p.stop()
+
+
+def metrics_text(info) -> str:
+    url = f"http://{info['metrics_addr']}:{info['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_path):
+    steps = 200
+    cap = Capture.load(resolve_capture("spiky"))
+    rw = RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.2)
+    placed = launch_samplers(
+        BackendSpec("replay", captures=["spiky"], gpus=2),
+        loopback(run_id="t-export", window_s=10.0, remote_write=rw),
+    )
+    kill_samplers.extend(p.handle for p in placed)
+    assert all(p.info["metrics_addr"] == "127.0.0.1" for p in placed)  # the node's address
+    refresher = TargetsRefresher(
+        prom.targets / "stepmem.json", [p.handle for p in placed], interval_s=1.0
+    )
+    try:
+        wait_for(lambda: prom.scalar('sum(up{job="stepmem", run="t-export"})') == 2, timeout=40)
+        gpu = placed[0]
+        probe = StepProbe(
+            gpu_uuids={"cpu": gpu.gpu_uuid},
+            outbox=Outbox(lambda u: gpu.handle, flush_interval_s=0.1),
+        )
+        for i in range(1, steps + 1):
+            with probe.step(i):
+                time.sleep(0.005)
+        probe.close()
+        wait_for(lambda: len(ray.get(gpu.handle.step_records.remote())) == steps, timeout=30)
+        records = {r["step"]: r for r in ray.get(gpu.handle.step_records.remote())}
+        sel = f'job="stepmem-steps", gpu_uuid="{gpu.gpu_uuid}"'
+        wait_for(
+            lambda: prom.scalar(f"count_over_time(stepmem_step{{{sel}}}[10m])") == steps, timeout=30
+        )
+        # Every step at its own step-end timestamp, with the step record's value.
+        (step_series,) = prom.query(f"stepmem_step{{{sel}}}[10m]")
+        (peak_series,) = prom.query(f"stepmem_step_nvml_peak_bytes{{{sel}}}[10m]")
+        step_at = {ts: int(float(v)) for ts, v in step_series["values"]}
+        peak_at = {ts: int(float(v)) for ts, v in peak_series["values"]}
+        assert sorted(step_at.values()) == list(range(1, steps + 1))
+        offset = gpu.info["wall_offset_ns"]
+        for ts, step in step_at.items():
+            rec = records[step]
+            assert peak_at[ts] == rec["nvml_peak_bytes"]
+            assert abs(ts - (rec["end_ns"] + offset) / 1e9) < 0.05  # the step's own end time
+        # Window gauges: the 10 s window holds whole laps of the replayed capture by now.
+        elapsed = (time.monotonic_ns() - gpu.info["started_ns"]) / 1e9
+        time.sleep(max(0.0, 6.0 - elapsed) + 1.5)  # two laps of the capture, then a scrape
+        win = f'job="stepmem", gpu_uuid="{gpu.gpu_uuid}"'
+        assert prom.scalar(f"stepmem_nvml_used_window_max_bytes{{{win}}}") == cap.used.max()
+        assert prom.scalar(f"stepmem_nvml_used_window_min_bytes{{{win}}}") == cap.used.min()
+        assert prom.scalar(f"stepmem_window_seconds{{{win}}}") == 10.0
+        assert prom.scalar(f"stepmem_steps_joined_total{{{win}}}") == steps
+    finally:
+        refresher.stop()
+
+
+def test_promtool_finds_nothing_wrong_in_live_metrics(kill_samplers):
+    promtool = require("promtool")
+    (p,) = launch_samplers(
+        BackendSpec("replay", captures=["adamw_8bit"], gpus=1), loopback(run_id="t-promtool")
+    )
+    kill_samplers.append(p.handle)
+    cap = Capture.load(resolve_capture("adamw_8bit"))
+    ends = [e for e in cap.events if e["kind"] == "end"]
+    now = time.monotonic_ns()  # one recorded step, with its torch figures and ledger
+    p.handle.record_events.remote(
+        [
+            {**ends[1], "kind": "begin", "t_ns": now - 50_000_000, "gpu_uuid": p.gpu_uuid},
+            {**ends[1], "t_ns": now - 10_000_000, "gpu_uuid": p.gpu_uuid},
+        ]
+    )
+    wait_for(lambda: len(ray.get(p.handle.step_records.remote())) == 1, timeout=20)
+    text = metrics_text(p.info)
+    for name in (
+        "stepmem_step_ledger_bytes",
+        "stepmem_torch_alloc_retries_total",
+        "stepmem_nvml_used_window_max_bytes",
+        "stepmem_sampler_samples_total",
+    ):
+        assert name in text
+    res = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res
+
+
+def test_buffered_steps_arrive_after_prometheus_starts_and_drops_are_counted(tmp_path):
+    port = free_port()
+    writer = RemoteWriter(
+        RemoteWriteConfig(
+            url=f"http://127.0.0.1:{port}/api/v1/write",
+            buffer_max=50,
+            batch_max=20,
+            flush_interval_s=0.1,
+            backoff_min_s=0.1,
+            backoff_max_s=0.5,
+            timeout_s=2,
+        )
+    )
+    now_ms = int(time.time() * 1000)
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-outage", "run": "t-outage"}
+    t0 = time.perf_counter()
+    for i in range(80):
+        writer.push("stepmem_step", labels, now_ms - 80 + i, float(i))
+    assert time.perf_counter() - t0 < 0.1  # the caller never waits on the network
+    wait_for(lambda: writer.last_error.startswith("connection"), timeout=10)
+    assert writer.stats()["dropped"] == {"buffer_full": 30} and writer.sent == 0
+    prom = Prometheus(tmp_path, port=port).start()
+    try:
+        wait_for(lambda: writer.sent == 50, timeout=30)
+        series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-outage"}'
+        wait_for(lambda: prom.scalar(f"count_over_time({series}[10m])") == 50, timeout=20)
+        (res,) = prom.query(f"{series}[10m]")
+        assert [float(v) for _, v in res["values"]] == [float(i) for i in range(30, 80)]
+    finally:
+        writer.close(timeout=1)
+        prom.stop()
+
+
+def test_a_400_is_logged_with_its_reason_and_not_retried(prom, caplog):
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-reject", "run": "t-reject"}
+    now_ms = int(time.time() * 1000)
+    first = RemoteWriter(RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.1))
+    first.push("stepmem_step", labels, now_ms, 1.0)
+    wait_for(lambda: first.sent == 1, timeout=20)
+    first.close(timeout=1)
+    late = RemoteWriter(RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.1))
+    with caplog.at_level(logging.WARNING, logger="collector.export.remote_write"):
+        late.push("stepmem_step", labels, now_ms - 60_000, 2.0)  # older than the series' head
+        wait_for(lambda: late.stats()["dropped"].get("rejected_4xx") == 1, timeout=20)
+        time.sleep(0.5)
+    assert late.requests == 1 and late.sent == 0  # no retry
+    assert "HTTP 400" in caplog.text and "out of order" in caplog.text
+    late.close(timeout=1)
+
+
+def test_credentials_never_reach_logs_metrics_or_repr(prom, tmp_path, caplog, kill_samplers):
+    secret = "planted-s3cret-7f3a9"
+    token = tmp_path / "token"
+    token.write_text(secret + "\n")
+    rw = RemoteWriteConfig(
+        url=f"{prom.url}/api/v1/write", bearer_token_file=str(token), flush_interval_s=0.1
+    )
+    with caplog.at_level(logging.DEBUG):
+        writer = RemoteWriter(rw)
+        writer.push(
+            "stepmem_step",
+            {"node": "n", "gpu": "0", "gpu_uuid": "GPU-s", "run": "s"},
+            int(time.time() * 1000),
+            1.0,
+        )
+        wait_for(lambda: writer.sent == 1, timeout=20)
+        (p,) = launch_samplers(
+            BackendSpec("replay", captures=["idle"], gpus=1),
+            loopback(run_id="t-secret", remote_write=rw),
+        )
+        kill_samplers.append(p.handle)
+        text = metrics_text(p.info)
+        info = ray.get(p.handle.info.remote())
+        health = ray.get(p.handle.health.remote())
+    for where in (caplog.text, text, repr(writer), repr(rw), str(info), str(health)):
+        assert secret not in where
+    writer.close(timeout=1)
