@@ -14,17 +14,19 @@ Labels on every GPU series:
 Series reach Prometheus two ways: scraped from each sampler's ``/metrics`` (scrape config
 ``job="stepmem"``), and — for per-step values, which change faster than any scrape interval —
 pushed through remote write with each step's end timestamp, under ``job="stepmem-steps"``
-(:data:`PUSHED`).
+(:data:`PUSHED`). Optionally the raw NVML trace is pushed too, as per-millisecond maxima of
+``stepmem_nvml_used_bytes`` under ``job="stepmem-samples"``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPU_LABELS", "METRICS", "PUSHED", "PUSH_JOB", "Metric", "by_name"]
+__all__ = ["GPU_LABELS", "METRICS", "PUSHED", "PUSH_JOB", "PUSH_SAMPLES_JOB", "Metric", "by_name"]
 
 GPU_LABELS = ("node", "gpu", "gpu_uuid", "run")
 PUSH_JOB = "stepmem-steps"
+PUSH_SAMPLES_JOB = "stepmem-samples"
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ class SamplerOptions:
     unless ``"0.0.0.0"`` is asked for); ``metrics_port`` 0 lets the OS pick a free port (the
     actor reports it in ``info()`` and the launcher writes it to the ``file_sd`` file).
     ``remote_write`` (a :class:`collector.export.remote_write.RemoteWriteConfig`) pushes every
-    step record with its step-end timestamp.
+    step record with its step-end timestamp; with ``push_samples`` also the raw NVML trace as
+    per-millisecond maxima (``job="stepmem-samples"``).
     """
 
     rate_hz: float = 1000.0
@@ -104,6 +105,7 @@ class SamplerOptions:
     metrics_addr: str | None = None
     metrics_port: int = 0
     remote_write: Any = None
+    push_samples: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -142,6 +144,7 @@ class SamplerActor:
             "run": options.run_id,
         }
         self.writer = None
+        self._sample_cursor = 0
         if options.remote_write is not None:
             from collector.export.remote_write import RemoteWriter
 
@@ -165,11 +168,18 @@ class SamplerActor:
             except Exception:  # never let the join thread die silently
                 log.exception("step join failed")
 
-    def _publish(self, records: list[Any]) -> None:
-        if self.writer is not None and records:
-            offset = time.time_ns() - time.monotonic_ns()
-            for rec in records:
-                self.writer.push_step(self.labels, rec.to_dict(), offset)
+    def _publish(self, records: list[Any], final: bool = False) -> None:
+        if self.writer is None:
+            return
+        offset = time.time_ns() - time.monotonic_ns()
+        for rec in records:
+            self.writer.push_step(self.labels, rec.to_dict(), offset)
+        if self.options.push_samples:
+            w, nxt = self.sampler.ring.since(self._sample_cursor)
+            if w.lost:
+                self.writer.dropped["ring_overrun"] += w.lost
+            held = self.writer.push_samples(self.labels, w.t_ns, w.used, offset, final=final)
+            self._sample_cursor = nxt - held
 
     def snapshot(self) -> Any:
         """What ``/metrics`` shows for this GPU now (see :mod:`collector.export.prometheus`)."""
@@ -301,7 +311,7 @@ class SamplerActor:
         """Stop sampling, join every pending step, flush remote write, return the final health."""
         self.sampler.stop()
         self._stop.set()
-        self._publish(self.joiner.poll(force=True))
+        self._publish(self.joiner.poll(force=True), final=True)
         if self.writer is not None:
             self.writer.close()
         return self.health()

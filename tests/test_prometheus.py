@@ -41,7 +41,7 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
     rw = RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.2)
     placed = launch_samplers(
         BackendSpec("replay", captures=["spiky"], gpus=2),
-        loopback(run_id="t-export", window_s=10.0, remote_write=rw),
+        loopback(run_id="t-export", window_s=10.0, remote_write=rw, push_samples=True),
     )
     kill_samplers.extend(p.handle for p in placed)
     assert all(p.info["metrics_addr"] == "127.0.0.1" for p in placed)  # the node's address
@@ -84,6 +84,10 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
         assert prom.scalar(f"stepmem_nvml_used_window_min_bytes{{{win}}}") == cap.used.min()
         assert prom.scalar(f"stepmem_window_seconds{{{win}}}") == 10.0
         assert prom.scalar(f"stepmem_steps_joined_total{{{win}}}") == steps
+        # The raw trace, pushed as per-millisecond maxima, reaches the capture's peak too.
+        raw = f'stepmem_nvml_used_bytes{{job="stepmem-samples", gpu_uuid="{gpu.gpu_uuid}"}}'
+        assert prom.scalar(f"max_over_time({raw}[10m])") == cap.used.max()
+        assert prom.scalar(f"count_over_time({raw}[10m])") > 1000
     finally:
         refresher.stop()
 
@@ -195,3 +199,21 @@ def test_credentials_never_reach_logs_metrics_or_repr(prom, tmp_path, caplog, ki
     for where in (caplog.text, text, repr(writer), repr(rw), str(info), str(health)):
         assert secret not in where
     writer.close(timeout=1)
+
+
+def test_raw_samples_become_per_millisecond_maxima_and_the_open_millisecond_waits():
+    w = RemoteWriter(
+        RemoteWriteConfig(url=f"http://127.0.0.1:{free_port()}/w", flush_interval_s=60)
+    )
+    try:
+        ms = 1_000_000
+        t = [5 * ms + 100, 5 * ms + 900, 6 * ms + 1, 6 * ms + 2, 8 * ms, 8 * ms + 5]
+        used = [10, 30, 7, 9, 4, 6]
+        held = w.push_samples({"gpu_uuid": "GPU-a"}, t, used, wall_offset_ns=0)
+        assert held == 2  # the last millisecond (8) may still get samples
+        assert [(tm, v) for _, tm, v in w._buf] == [(5, 30.0), (6, 9.0)]
+        assert w.push_samples({"gpu_uuid": "GPU-a"}, t[-2:], used[-2:], 0, final=True) == 0
+        assert [(tm, v) for _, tm, v in w._buf][-1] == (8, 6.0)
+        assert {dict(k)["job"] for k, _, _ in w._buf} == {"stepmem-samples"}
+    finally:
+        w.close(timeout=0.1)

@@ -37,7 +37,7 @@ from typing import Any
 import cramjam
 
 from collector.export.values import step_values
-from collector.metrics import PUSH_JOB
+from collector.metrics import PUSH_JOB, PUSH_SAMPLES_JOB
 
 __all__ = ["RemoteWriteConfig", "RemoteWriter", "encode_write_request"]
 
@@ -167,8 +167,13 @@ class RemoteWriter:
     def __repr__(self) -> str:  # never show the Authorization value
         return f"RemoteWriter(url={self.config.url!r}, sent={self.sent}, pending={len(self._buf)})"
 
-    def push(self, name: str, labels: dict[str, str], t_ms: int, value: float) -> None:
-        key: Series = tuple(sorted({**labels, "__name__": name, "job": self.config.job}.items()))
+    def push(
+        self, name: str, labels: dict[str, str], t_ms: int, value: float, job: str | None = None
+    ) -> None:
+        """Queue one sample (never blocks). ``job`` overrides the config's job label."""
+        key: Series = tuple(
+            sorted({**labels, "__name__": name, "job": job or self.config.job}.items())
+        )
         with self._lock:
             last = self._last_ts.get(key)
             if last is not None and t_ms <= last:
@@ -188,6 +193,32 @@ class RemoteWriter:
         t_ms = (rec["end_ns"] + wall_offset_ns) // 1_000_000
         for name, extra, value in step_values(rec):
             self.push(name, {**labels, **extra}, t_ms, float(value))
+
+    def push_samples(
+        self, labels: dict[str, str], t_ns: Any, used: Any, wall_offset_ns: int, final: bool = False
+    ) -> int:
+        """Raw NVML samples as per-millisecond maxima (remote write has millisecond resolution
+        and rejects two samples of one series in one millisecond). Unless ``final``, the last
+        millisecond is held back — more samples may still land in it — and the number of samples
+        held back is returned so the caller can offer them again."""
+        import numpy as np
+
+        if len(t_ns) == 0:
+            return 0
+        t_ms = (np.asarray(t_ns) + wall_offset_ns) // 1_000_000
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(t_ms)) + 1))
+        maxima = np.maximum.reduceat(np.asarray(used), starts)
+        held = 0 if final else len(t_ms) - int(starts[-1])
+        groups = len(starts) if final else len(starts) - 1
+        for k in range(groups):
+            self.push(
+                "stepmem_nvml_used_bytes",
+                labels,
+                int(t_ms[starts[k]]),
+                float(maxima[k]),
+                job=PUSH_SAMPLES_JOB,
+            )
+        return held
 
     def stats(self) -> dict[str, Any]:
         return {

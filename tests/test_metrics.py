@@ -1,0 +1,162 @@
+"""The metric table and the scrape-time collector (fresh registry per test, one golden file)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from collector.export.prometheus import SamplerCollector, Snapshot
+from collector.export.values import step_values
+from collector.metrics import METRICS, PUSHED, Metric, by_name
+from tests.prom import CONFIG, require
+
+GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
+LABELS = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-abc", "run": "r1"}
+GIB = 1 << 30
+
+
+def record():
+    return {
+        "gpu_uuid": "GPU-abc",
+        "step": 7,
+        "begin_ns": 1_000_000_000,
+        "end_ns": 2_500_000_000,
+        "samples": 1500,
+        "nvml_peak_bytes": 82 * GIB,
+        "nvml_peak_t_ns": 2_000_000_000,
+        "nvml_min_bytes": 80 * GIB,
+        "nvml_end_bytes": 81 * GIB,
+        "nvml_reserved_bytes": 615 << 20,
+        "gap": "",
+        "torch_allocated_peak_bytes": 79 * GIB,
+        "torch_reserved_peak_bytes": 80 * GIB,
+        "torch_begin": {},
+        "torch_end": {
+            "allocated_bytes.all.current": 38 * GIB,
+            "reserved_bytes.all.current": 80 * GIB,
+            "context_baseline_bytes": 600 << 20,
+            "num_alloc_retries": 2,
+            "num_ooms": 0,
+        },
+        "phases": [],
+        "ledger": {
+            "parameters": 25 * GIB,
+            "gradients": 0,
+            "optimizer_state": 13 * GIB,
+            "optimizer_state_managed": 0,
+            "other_allocated": GIB,
+        },
+    }
+
+
+def snapshot(**kw):
+    base = dict(
+        labels=LABELS,
+        total_bytes=140 * GIB,
+        used_bytes=81 * GIB,
+        reserved_bytes=615 << 20,
+        window_s=15.0,
+        window_max_bytes=82 * GIB,
+        window_min_bytes=80 * GIB,
+        last_record=record(),
+        samples_total=123456,
+        errors={"unknown": 3},
+        missed_deadlines=4,
+        dropped={"malformed": 1},
+        rate_hz=999.5,
+        target_rate_hz=1000.0,
+        up=True,
+        steps_joined=7,
+        remote_write={"sent": 70, "pending": 0, "dropped": {"buffer_full": 2}},
+    )
+    base.update(kw)
+    return Snapshot(**base)
+
+
+def registry_with(*snaps):
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SamplerCollector(lambda: list(snaps)))
+    return reg
+
+
+def test_values_are_read_at_scrape_time():
+    reg = registry_with(snapshot())
+    v = reg.get_sample_value
+    assert v("stepmem_step_nvml_peak_bytes", LABELS) == 82 * GIB
+    assert v("stepmem_step_nontorch_bytes", LABELS) == GIB - (600 << 20)
+    assert v("stepmem_step_ledger_bytes", {**LABELS, "kind": "optimizer_state"}) == 13 * GIB
+    assert v("stepmem_nvml_used_window_max_bytes", LABELS) == 82 * GIB
+    assert v("stepmem_sampler_errors_total", {**LABELS, "kind": "unknown"}) == 3
+    assert v("stepmem_torch_alloc_retries_total", LABELS) == 2
+    assert v("stepmem_step_duration_seconds", LABELS) == 1.5
+    assert v("stepmem_remote_write_dropped_total", {**LABELS, "reason": "buffer_full"}) == 2
+
+
+def test_golden_exposition():
+    text = generate_latest(registry_with(snapshot())).decode()
+    assert text == GOLDEN.read_text()
+
+
+def test_every_exported_family_is_in_the_table():
+    text = generate_latest(registry_with(snapshot())).decode()
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    table = {m.name for m in METRICS}
+    assert {n if n in table else n + "_total" for n in names} <= table
+    assert len(names) >= 25
+
+
+def test_pushed_and_step_series_are_in_the_table():
+    for name in PUSHED:
+        assert by_name(name).type == "gauge"
+    assert {name for name, _, _ in step_values(record())} <= set(PUSHED)
+    with pytest.raises(KeyError, match="not in stepmem's metric table"):
+        by_name("stepmem_made_up_bytes")
+
+
+def test_no_label_is_unbounded():
+    for m in METRICS:
+        assert not {"step", "timestamp", "t_ns", "time"} & set(m.labels), m.name
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(name="x_total", type="gauge", unit=""), "counters, and only counters"),
+        (dict(name="x", type="counter", unit=""), "counters, and only counters"),
+        (dict(name="x_bytes_used", type="gauge", unit="bytes"), "_bytes"),
+        (dict(name="x", type="summary", unit=""), "gauge or counter"),
+    ],
+)
+def test_table_entries_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Metric(help="h", **kw)
+
+
+def test_a_broken_snapshot_never_breaks_the_scrape():
+    def boom():
+        raise RuntimeError("sampler state unreadable")
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SamplerCollector(boom))
+    assert generate_latest(reg) == b""
+    bad = snapshot(labels={"node": "n1"})  # missing labels: skipped, the good one still served
+    text = generate_latest(registry_with(bad, snapshot())).decode()
+    assert 'gpu_uuid="GPU-abc"' in text
+
+
+def test_before_any_step_only_live_series_are_exported():
+    reg = registry_with(snapshot(last_record=None, remote_write={}))
+    assert reg.get_sample_value("stepmem_nvml_used_bytes", LABELS) == 81 * GIB
+    assert reg.get_sample_value("stepmem_step", LABELS) is None
+
+
+def test_project_prometheus_config_passes_promtool():
+    res = subprocess.run(
+        [require("promtool"), "check", "config", str(CONFIG)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS" in res.stdout + res.stderr
