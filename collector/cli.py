@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rw = r.add_argument_group("remote write (every step pushed with its step-end timestamp)")
     rw.add_argument("--remote-write", metavar="URL", help="e.g. http://127.0.0.1:9090/api/v1/write")
+    rw.add_argument(
+        "--remote-write-samples",
+        action="store_true",
+        help="also push the raw NVML trace as per-millisecond maxima",
+    )
     rw.add_argument("--remote-write-bearer-token-file", metavar="FILE")
     rw.add_argument("--remote-write-bearer-token-env", metavar="VAR")
     rw.add_argument("--remote-write-basic-user", metavar="USER")
@@ -187,6 +192,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from collector.job import JobOptions, run_job
 
     remote_write = None
+    if ns.remote_write_samples and not ns.remote_write:
+        raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
     if ns.remote_write:
         from collector.export.remote_write import RemoteWriteConfig
 
@@ -214,6 +221,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         ray_address=ns.address,
         targets=ns.targets,
         remote_write=remote_write,
+        push_samples=ns.remote_write_samples,
         metrics_addr=ns.metrics_addr,
         metrics_port=ns.metrics_port,
         window_s=ns.window,

@@ -52,6 +52,7 @@ class JobOptions:
     ray_address: str | None = None
     targets: Path | None = None  # Prometheus file_sd file kept current while the job runs
     remote_write: Any = None  # RemoteWriteConfig
+    push_samples: bool = False
     metrics_addr: str | None = None
     metrics_port: int = 0
     window_s: float = 15.0
@@ -183,6 +184,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         metrics_addr=addr,
         metrics_port=opts.metrics_port,
         remote_write=opts.remote_write,
+        push_samples=opts.push_samples,
     )
     placed = launch_samplers(spec, options)
     refresher = None
