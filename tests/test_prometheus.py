@@ -84,6 +84,8 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
         assert prom.scalar(f"stepmem_nvml_used_window_min_bytes{{{win}}}") == cap.used.min()
         assert prom.scalar(f"stepmem_window_seconds{{{win}}}") == 10.0
         assert prom.scalar(f"stepmem_steps_joined_total{{{win}}}") == steps
+        (series,) = prom.query(f"stepmem_nvml_total_bytes{{{win}}}")
+        assert not any(k.startswith("exported_") for k in series["metric"])  # honor_labels
         # The raw trace, pushed as per-millisecond maxima, reaches the capture's peak too.
         raw = f'stepmem_nvml_used_bytes{{job="stepmem-samples", gpu_uuid="{gpu.gpu_uuid}"}}'
         assert prom.scalar(f"max_over_time({raw}[10m])") == cap.used.max()
