@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 from collector.export.values import nontorch_bytes
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.placement import BackendSpec, SamplerOptions, forget_samplers, launch_samplers
 from collector.probe.core import StepProbe
 from workloads import spiky
 
@@ -50,6 +50,7 @@ def run_rate(rate: float, args: argparse.Namespace) -> tuple[list[dict], dict | 
         BackendSpec("nvml"),
         SamplerOptions(rate_hz=rate, metrics_addr="127.0.0.1", capacity=1 << 22),
     )
+    forget_samplers()  # the probe looks the new actor up, not a previous rate's
     time.sleep(0.5)
     start = ray.get(p.handle.samples_since.remote(1 << 62))["next"]
     probe = StepProbe(devices=[0])

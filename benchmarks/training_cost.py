@@ -78,11 +78,12 @@ def main() -> None:
                     BackendSpec("nvml"), SamplerOptions(rate_hz=rate, metrics_addr="127.0.0.1")
                 )
                 handle = p.handle
+                forget_samplers()  # forget the warm-up's miss and any earlier block's actor
                 time.sleep(0.5)
             times[mode] += [train_step(probe if handle else None) for _ in range(a.block)]
             if handle is not None:
+                probe.outbox.flush()  # this block's events reach this block's sampler
                 ray.kill(handle)
-                forget_samplers()  # the next block's sampler is a new actor under the same name
                 time.sleep(0.5)
     probe.close()
     med = {m: statistics.median(v) for m, v in times.items()}

@@ -384,30 +384,37 @@ def launch_samplers(
     return placed
 
 
-_cache: dict[tuple[str, str], Any] = {}
+_cache: dict[tuple[str, str], tuple[Any, float]] = {}
 _misses: dict[tuple[str, str], float] = {}
 MISS_RETRY_S = 10.0
+HANDLE_TTL_S = 10.0
 
 
 def find_sampler(gpu_uuid: str, node_id: str | None = None) -> Any | None:
     """The sampler actor for (``node_id`` or this node, ``gpu_uuid``), or None if there is none.
 
-    Found handles are cached for the process's lifetime; a miss is remembered for
-    :data:`MISS_RETRY_S` seconds so a probe without a sampler does not ask the GCS every step.
+    A found handle is reused for :data:`HANDLE_TTL_S` seconds, then looked up again (a sampler
+    killed and launched anew under the same name is a new actor; a restarted one keeps its
+    handle). A miss is remembered for :data:`MISS_RETRY_S` seconds so a probe without a sampler
+    does not ask the GCS every step. Called from the probe's sender thread, never the hot path.
     """
     if node_id is None:
         node_id = ray.get_runtime_context().get_node_id()
     key = (node_id, gpu_uuid)
-    if key in _cache:
-        return _cache[key]
-    if time.monotonic() - _misses.get(key, -MISS_RETRY_S) < MISS_RETRY_S:
+    now = time.monotonic()
+    cached = _cache.get(key)
+    if cached is not None and now - cached[1] < HANDLE_TTL_S:
+        return cached[0]
+    if now - _misses.get(key, -MISS_RETRY_S) < MISS_RETRY_S:
         return None
     try:
         handle = ray.get_actor(sampler_name(node_id, gpu_uuid), namespace=NAMESPACE)
     except ValueError:
-        _misses[key] = time.monotonic()
+        _cache.pop(key, None)
+        _misses[key] = now
         return None
-    _cache[key] = handle
+    _cache[key] = (handle, now)
+    _misses.pop(key, None)
     return handle
 
 

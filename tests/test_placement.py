@@ -117,3 +117,20 @@ def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers):
     health = ray.get(p.handle.health.remote())
     assert health["events_rejected"] == {"malformed": 6, "wrong_gpu": 1}
     assert health["alive"] is True and health["samples_total"] > 0
+
+
+def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers, monkeypatch):
+    from collector import placement
+
+    monkeypatch.setattr(placement, "HANDLE_TTL_S", 0.2)
+    spec = BackendSpec("replay", captures=["idle"], gpus=1)
+    (first,) = launch_samplers(spec, loopback())
+    old = find_sampler(first.gpu_uuid)
+    ray.kill(first.handle, no_restart=True)
+    wait_for(lambda: first.name not in list_samplers(), timeout=20)
+    (second,) = launch_samplers(spec, loopback())
+    kill_samplers.append(second.handle)
+    time.sleep(0.3)
+    new = find_sampler(second.gpu_uuid)
+    assert new._actor_id != old._actor_id
+    assert ray.get(new.info.remote())["pid"] == second.info["pid"]
