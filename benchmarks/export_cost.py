@@ -53,6 +53,7 @@ def gpu_snapshots(n: int) -> list:
                         "gpu": str(k),
                         "gpu_uuid": f"GPU-{k:08d}",
                         "run": "bench",
+                        "workload": "bench",
                     },
                     total_bytes=140 * GIB,
                     used_bytes=last[1],
@@ -92,7 +93,13 @@ def remote_write_rate(url: str, steps: int, batch: int) -> dict:
     w = RemoteWriter(
         RemoteWriteConfig(url=url, batch_max=batch, buffer_max=steps * 20, flush_interval_s=0.05)
     )
-    labels = {"node": "n1", "gpu": "0", "gpu_uuid": f"GPU-rw-{batch}", "run": "bench"}
+    labels = {
+        "node": "n1",
+        "gpu": "0",
+        "gpu_uuid": f"GPU-rw-{batch}",
+        "run": "bench",
+        "workload": "bench",
+    }
     base_ns = time.monotonic_ns() - steps * 2_000_000
     offset = time.time_ns() - time.monotonic_ns()
     rec = record()

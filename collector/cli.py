@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-id", default="", help="the run label on every series (default: time-based)"
     )
     r.add_argument(
+        "--workload-label",
+        default="",
+        metavar="NAME",
+        help="the workload label on every series, the key of baselines "
+        "(default: the workload, or replay:<captures>)",
+    )
+    r.add_argument(
         "--targets",
         type=Path,
         metavar="FILE",
@@ -226,6 +233,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         metrics_port=ns.metrics_port,
         window_s=ns.window,
         run_id=ns.run_id,
+        workload_label=ns.workload_label,
     )
     run_job(opts)
     return 0

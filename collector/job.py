@@ -57,6 +57,7 @@ class JobOptions:
     metrics_port: int = 0
     window_s: float = 15.0
     run_id: str = ""
+    workload_label: str = ""  # the `workload` label; default: the workload or the captures
 
 
 def nvml_available() -> bool:
@@ -180,6 +181,8 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     options = SamplerOptions(
         rate_hz=opts.rate_hz,
         run_id=opts.run_id,
+        workload=opts.workload_label
+        or (opts.workload if spec.kind == "nvml" else "replay:" + "+".join(opts.captures)),
         window_s=opts.window_s,
         metrics_addr=addr,
         metrics_port=opts.metrics_port,

@@ -9,7 +9,9 @@ Labels on every GPU series:
 * ``node`` — the Ray node id the sampler runs on;
 * ``gpu`` — NVML's index of the GPU on that node (for reading; the UUID is the identity);
 * ``gpu_uuid`` — the GPU's UUID;
-* ``run`` — the run (job) id the samplers were launched for.
+* ``run`` — the run (job) id the samplers were launched for;
+* ``workload`` — what the run trains (``finetune``, a replayed capture, a name the user gives):
+  the key that per-workload baselines are matched on (``stepmem_baseline_*``).
 
 Series reach Prometheus two ways: scraped from each sampler's ``/metrics`` (scrape config
 ``job="stepmem"``), and — for per-step values, which change faster than any scrape interval —
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 __all__ = ["GPU_LABELS", "METRICS", "PUSHED", "PUSH_JOB", "PUSH_SAMPLES_JOB", "Metric", "by_name"]
 
-GPU_LABELS = ("node", "gpu", "gpu_uuid", "run")
+GPU_LABELS = ("node", "gpu", "gpu_uuid", "run", "workload")
 PUSH_JOB = "stepmem-steps"
 PUSH_SAMPLES_JOB = "stepmem-samples"
 

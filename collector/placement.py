@@ -101,6 +101,7 @@ class SamplerOptions:
     rate_hz: float = 1000.0
     capacity: int = DEFAULT_CAPACITY
     run_id: str = ""
+    workload: str = ""
     window_s: float = 15.0
     metrics_addr: str | None = None
     metrics_port: int = 0
@@ -142,6 +143,7 @@ class SamplerActor:
             "gpu": str(self.device.info.index),
             "gpu_uuid": self.device.info.uuid,
             "run": options.run_id,
+            "workload": options.workload,
         }
         self.writer = None
         self._sample_cursor = 0
@@ -221,6 +223,7 @@ class SamplerActor:
             "memory_info_version": self.device.memory_info_version,
             "rate_hz": self.sampler.rate_hz,
             "run_id": self.options.run_id,
+            "workload": self.options.workload,
             "metrics_addr": self.metrics_addr,
             "metrics_port": self.metrics_port,
             "capacity": self.sampler.ring.capacity,

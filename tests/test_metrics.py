@@ -12,7 +12,7 @@ from collector.metrics import METRICS, PUSHED, Metric, by_name
 from tests.prom import CONFIG, require
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
-LABELS = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-abc", "run": "r1"}
+LABELS = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-abc", "run": "r1", "workload": "w"}
 GIB = 1 << 30
 
 

@@ -2,8 +2,8 @@
 
 The file is a JSON list of ``{"targets": ["host:port"], "labels": {...}}`` objects, the format
 Prometheus' ``file_sd_configs`` watches (it re-reads the file when it changes). Labels give
-``node``, ``gpu``, ``gpu_uuid`` and ``run`` so every scraped series carries them even before the
-first scrape succeeds (``up`` included).
+``node``, ``gpu``, ``gpu_uuid``, ``run`` and ``workload``, so every scraped series carries them
+even before the first scrape succeeds (``up`` included).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def targets_for(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "gpu": str(info["index"]),
                     "gpu_uuid": info["gpu_uuid"],
                     "run": info["run_id"],
+                    "workload": info["workload"],
                 },
             }
         )
