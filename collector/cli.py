@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
     )
 
+    b = sub.add_parser("baseline", help="write a workload's peak baseline as a Prometheus rule")
+    b.add_argument("records", type=Path, help="records JSON of an accepted run (run --out)")
+    b.add_argument("--out", type=Path, required=True, help="rule file to write")
+    b.add_argument("--workload", help="workload name (default: the records' workload label)")
+    b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
+
     d = sub.add_parser("devices", help="list GPUs on this node by UUID")
     d.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
     d.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
@@ -239,6 +245,14 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_baseline(ns: argparse.Namespace) -> int:
+    from collector.baseline import write_baseline
+
+    name, peak = write_baseline(ns.records, ns.out, ns.workload, ns.merge)
+    print(f"baseline for {name}: within-step NVML peak {peak / (1 << 30):.2f} GiB -> {ns.out}")
+    return 0
+
+
 def _cmd_devices(ns: argparse.Namespace) -> int:
     if ns.backend == "replay":
         from collector.replay import ReplayBackend
@@ -294,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
             level=logging.INFO if ns.verbose else logging.WARNING,
             format="%(levelname)s %(name)s: %(message)s",
         )
-        handler = {"run": _cmd_run, "devices": _cmd_devices, "capture": _cmd_capture}
+        handler = {
+            "run": _cmd_run,
+            "devices": _cmd_devices,
+            "capture": _cmd_capture,
+            "baseline": _cmd_baseline,
+        }
         return handler[ns.command](ns)
     except UserError as exc:
         print(exc, file=sys.stderr)

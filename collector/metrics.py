@@ -229,7 +229,28 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "stepmem_remote_write_pending", "gauge", "", "Samples waiting in the remote-write buffer."
     ),
+    # -- recorded by Prometheus itself -------------------------------------------------------
+    Metric(
+        "stepmem_baseline_step_nvml_peak_bytes",
+        "gauge",
+        "bytes",
+        "A workload's accepted within-step NVML peak: a recording rule in "
+        "deploy/prometheus/rules/baselines.yml written by `stepmem baseline`.",
+        ("workload",),
+    ),
 )
+
+#: Kinds and reasons exported as 0 from the start, so ``increase()`` sees their first event.
+ERROR_KINDS = ("not_supported", "gpu_lost", "not_found", "unavailable", "unknown", "internal")
+DROP_REASONS = (
+    "malformed",
+    "wrong_gpu",
+    "batch_too_large",
+    "end_without_begin",
+    "phase_without_begin",
+    "end_before_begin",
+)
+REMOTE_WRITE_DROP_REASONS = ("buffer_full", "rejected_4xx", "gave_up", "ring_overrun")
 
 #: Metrics pushed per step (remote write, step-end timestamps, ``job="stepmem-steps"``).
 PUSHED = (

@@ -20,7 +20,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from collector.export.values import step_values
-from collector.metrics import GPU_LABELS, METRICS
+from collector.metrics import (
+    DROP_REASONS,
+    ERROR_KINDS,
+    GPU_LABELS,
+    METRICS,
+    REMOTE_WRITE_DROP_REASONS,
+)
 
 __all__ = ["SamplerCollector", "Snapshot", "serve"]
 
@@ -68,10 +74,10 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
             yield "stepmem_torch_alloc_retries_total", {}, te["num_alloc_retries"]
             yield "stepmem_torch_ooms_total", {}, te.get("num_ooms", 0)
     yield "stepmem_sampler_samples_total", {}, s.samples_total
-    for kind, n in s.errors.items():
+    for kind, n in (dict.fromkeys(ERROR_KINDS, 0) | s.errors).items():
         yield "stepmem_sampler_errors_total", {"kind": kind}, n
     yield "stepmem_sampler_missed_deadlines_total", {}, s.missed_deadlines
-    for reason, n in s.dropped.items():
+    for reason, n in (dict.fromkeys(DROP_REASONS, 0) | s.dropped).items():
         yield "stepmem_sampler_dropped_total", {"reason": reason}, n
     yield "stepmem_sampler_rate_hz", {}, s.rate_hz
     yield "stepmem_sampler_target_rate_hz", {}, s.target_rate_hz
@@ -81,7 +87,8 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
     if rw:
         yield "stepmem_remote_write_samples_total", {}, rw.get("sent", 0)
         yield "stepmem_remote_write_pending", {}, rw.get("pending", 0)
-        for reason, n in rw.get("dropped", {}).items():
+        dropped = dict.fromkeys(REMOTE_WRITE_DROP_REASONS, 0) | rw.get("dropped", {})
+        for reason, n in dropped.items():
             yield "stepmem_remote_write_dropped_total", {"reason": reason}, n
 
 

@@ -1,0 +1,353 @@
+"""Alert rules: each alert fires on a series that should fire it and stays silent on one that
+should not (``promtool test rules``), rules and Alertmanager config pass their checkers, and every
+rule names only metrics of the metric table.
+
+The promtool test file ``deploy/prometheus/rules/tests.yml`` is generated from :data:`CASES`
+(expected annotations are the rule's templates filled with the alert's labels) and committed, so
+``promtool test rules deploy/prometheus/rules/tests.yml`` works without Python; a test keeps the
+committed file equal to the generated one.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from collector.metrics import METRICS
+from tests.prom import require
+
+RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
+ALERTMANAGER = RULES_DIR.parent.parent / "alertmanager" / "alertmanager.yml"
+GIB = 1 << 30
+MIB = 1 << 20
+
+GPU = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-a", "run": "r1", "workload": "finetune"}
+SCRAPED = {**GPU, "job": "stepmem", "instance": "127.0.0.1:9400"}
+PUSHED = {**GPU, "job": "stepmem-steps"}
+SEED_RESERVED = f"{int(68.65 * GIB)} {int(81.30 * GIB)} {int(81.79 * GIB)}x60"  # the seed, unpaged
+
+# (alert, input series {name: (labels, values)}, eval time, expected alert labels or None)
+CASES: list[tuple[str, str, dict[str, tuple[dict, str]], str, dict | None]] = [
+    (
+        "peak above 95 % of the card",
+        "StepMemPeakNearCapacity",
+        {
+            "stepmem_nvml_used_window_max_bytes": (SCRAPED, f"{int(0.97 * 140 * GIB)}x10"),
+            "stepmem_nvml_total_bytes": (SCRAPED, f"{140 * GIB}x10"),
+        },
+        "5m",
+        SCRAPED,
+    ),
+    (
+        "the seed's 82.5 of 140 GiB",
+        "StepMemPeakNearCapacity",
+        {
+            "stepmem_nvml_used_window_max_bytes": (SCRAPED, f"{int(82.53 * GIB)}x10"),
+            "stepmem_nvml_total_bytes": (SCRAPED, f"{140 * GIB}x10"),
+        },
+        "5m",
+        None,
+    ),
+    (
+        "reserved leaking 100 MiB a minute",
+        "StepMemReservedGrowing",
+        {"stepmem_step_torch_reserved_end_bytes": (PUSHED, f"{80 * GIB}+{100 * MIB}x60")},
+        "45m",
+        PUSHED,
+    ),
+    (
+        "the seed's step-2 jump, then flat",
+        "StepMemReservedGrowing",
+        {"stepmem_step_torch_reserved_end_bytes": (PUSHED, SEED_RESERVED)},
+        "45m",
+        None,
+    ),
+    (
+        "NVML leaking 100 MiB a minute",
+        "StepMemNvmlGrowing",
+        {"stepmem_step_nvml_end_bytes": (PUSHED, f"{80 * GIB}+{100 * MIB}x60")},
+        "45m",
+        PUSHED,
+    ),
+    (
+        "NVML with the seed's jump, then flat",
+        "StepMemNvmlGrowing",
+        {"stepmem_step_nvml_end_bytes": (PUSHED, SEED_RESERVED)},
+        "45m",
+        None,
+    ),
+    (
+        "memory outside torch leaking",
+        "StepMemNonTorchGrowing",
+        {"stepmem_step_nontorch_bytes": (PUSHED, f"{GIB}+{300 * MIB}x60")},
+        "40m",
+        PUSHED,
+    ),
+    (
+        "paged optimizer state appearing at step 1, then flat",
+        "StepMemNonTorchGrowing",
+        {"stepmem_step_nontorch_bytes": (PUSHED, f"{int(0.14 * GIB)} {int(13.52 * GIB)}x60")},
+        "40m",
+        None,
+    ),
+    (
+        "peak 10 % above the finetune baseline",
+        "StepMemPeakRegression",
+        {"stepmem_step_nvml_peak_bytes": (PUSHED, f"{int(1.10 * 88620204032)}x20")},
+        "10m",
+        {k: GPU[k] for k in ("workload", "run", "node", "gpu_uuid")},
+    ),
+    (
+        "peak at the baseline",
+        "StepMemPeakRegression",
+        {"stepmem_step_nvml_peak_bytes": (PUSHED, "88620204032x20")},
+        "10m",
+        None,
+    ),
+    (
+        "allocator retries",
+        "StepMemAllocRetries",
+        {"stepmem_torch_alloc_retries_total": (SCRAPED, "0 0 0 1 1 1")},
+        "5m",
+        SCRAPED,
+    ),
+    (
+        "no allocator retries",
+        "StepMemAllocRetries",
+        {"stepmem_torch_alloc_retries_total": (SCRAPED, "0x10")},
+        "5m",
+        None,
+    ),
+    ("an OOM", "StepMemOOM", {"stepmem_torch_ooms_total": (SCRAPED, "0 0 1 1")}, "3m", SCRAPED),
+    ("no OOM", "StepMemOOM", {"stepmem_torch_ooms_total": (SCRAPED, "0x10")}, "3m", None),
+    ("target down", "StepMemSamplerDown", {"up": (SCRAPED, "0x10")}, "5m", SCRAPED),
+    ("target up", "StepMemSamplerDown", {"up": (SCRAPED, "1x10")}, "5m", None),
+    (
+        "sampling thread stopped",
+        "StepMemSamplerStopped",
+        {"stepmem_sampler_up": (SCRAPED, "0x10")},
+        "5m",
+        SCRAPED,
+    ),
+    (
+        "sampling thread running",
+        "StepMemSamplerStopped",
+        {"stepmem_sampler_up": (SCRAPED, "1x10")},
+        "5m",
+        None,
+    ),
+    (
+        "half the target rate",
+        "StepMemSamplerSlow",
+        {
+            "stepmem_sampler_rate_hz": (SCRAPED, "500x15"),
+            "stepmem_sampler_target_rate_hz": (SCRAPED, "1000x15"),
+        },
+        "10m",
+        SCRAPED,
+    ),
+    (
+        "99.5 % of the target rate",
+        "StepMemSamplerSlow",
+        {
+            "stepmem_sampler_rate_hz": (SCRAPED, "995x15"),
+            "stepmem_sampler_target_rate_hz": (SCRAPED, "1000x15"),
+        },
+        "10m",
+        None,
+    ),
+    (
+        "'max' has no target to miss",
+        "StepMemSamplerSlow",
+        {
+            "stepmem_sampler_rate_hz": (SCRAPED, "90000x15"),
+            "stepmem_sampler_target_rate_hz": (SCRAPED, "0x15"),
+        },
+        "10m",
+        None,
+    ),
+    (
+        "NVML errors",
+        "StepMemSamplerErrors",
+        {"stepmem_sampler_errors_total": ({**SCRAPED, "kind": "unknown"}, "0 0 5 5")},
+        "3m",
+        {**SCRAPED, "kind": "unknown"},
+    ),
+    (
+        "no NVML errors",
+        "StepMemSamplerErrors",
+        {"stepmem_sampler_errors_total": ({**SCRAPED, "kind": "unknown"}, "0x10")},
+        "3m",
+        None,
+    ),
+    (
+        "malformed events",
+        "StepMemEventsDropped",
+        {"stepmem_sampler_dropped_total": ({**SCRAPED, "reason": "malformed"}, "0 0 3 3")},
+        "3m",
+        {**SCRAPED, "reason": "malformed"},
+    ),
+    (
+        "no dropped events",
+        "StepMemEventsDropped",
+        {"stepmem_sampler_dropped_total": ({**SCRAPED, "reason": "malformed"}, "0x10")},
+        "3m",
+        None,
+    ),
+    (
+        "remote write buffer overflowing",
+        "StepMemRemoteWriteDropping",
+        {"stepmem_remote_write_dropped_total": ({**SCRAPED, "reason": "buffer_full"}, "0 0 10")},
+        "2m",
+        {**SCRAPED, "reason": "buffer_full"},
+    ),
+    (
+        "remote write healthy",
+        "StepMemRemoteWriteDropping",
+        {"stepmem_remote_write_dropped_total": ({**SCRAPED, "reason": "buffer_full"}, "0x10")},
+        "2m",
+        None,
+    ),
+]
+
+
+def alert_rules() -> dict[str, dict]:
+    doc = yaml.safe_load((RULES_DIR / "stepmem.yml").read_text())
+    return {r["alert"]: r for g in doc["groups"] for r in g["rules"] if "alert" in r}
+
+
+def fill(template: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: labels[m.group(1)], template)
+
+
+def series(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+def generated_tests() -> str:
+    rules = alert_rules()
+    tests = []
+    for title, alert, inputs, at, expected in CASES:
+        exp = []
+        if expected is not None:
+            rule = rules[alert]
+            labels = {**expected, **rule["labels"]}
+            exp = [
+                {
+                    "exp_labels": labels,
+                    "exp_annotations": {k: fill(v, labels) for k, v in rule["annotations"].items()},
+                }
+            ]
+        tests.append(
+            {
+                "name": f"{alert}: {title}",
+                "interval": "1m",
+                "input_series": [
+                    {"series": series(n, lab), "values": v} for n, (lab, v) in inputs.items()
+                ],
+                "alert_rule_test": [{"eval_time": at, "alertname": alert, "exp_alerts": exp}],
+            }
+        )
+    doc = {
+        "rule_files": ["stepmem.yml", "baselines.yml"],
+        "evaluation_interval": "1m",
+        "tests": tests,
+    }
+    header = "# Generated by tests/test_rules.py from its CASES; do not edit by hand.\n"
+    return header + yaml.safe_dump(doc, sort_keys=False, width=1000)
+
+
+def test_committed_promtool_tests_match_the_cases():
+    assert (RULES_DIR / "tests.yml").read_text() == generated_tests()
+
+
+def test_every_alert_fires_and_stays_silent_somewhere():
+    fired = {alert for _, alert, _, _, exp in CASES if exp is not None}
+    silent = {alert for _, alert, _, _, exp in CASES if exp is None}
+    assert fired == silent == set(alert_rules())
+
+
+def test_promtool_test_rules_passes():
+    res = subprocess.run(
+        [require("promtool"), "test", "rules", "tests.yml"],
+        cwd=RULES_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("SUCCESS") >= 1
+
+
+def test_promtool_check_rules_passes():
+    res = subprocess.run(
+        [require("promtool"), "check", "rules", "stepmem.yml", "baselines.yml"],
+        cwd=RULES_DIR,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_alertmanager_config_passes_amtool():
+    res = subprocess.run(
+        [require("amtool"), "check-config", str(ALERTMANAGER)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_rule_has_severity_description_and_runbook():
+    for name, rule in alert_rules().items():
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        assert {"summary", "description", "runbook"} <= rule["annotations"].keys(), name
+
+
+PROMETHEUS_OWN = {"up"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression selects: identifiers followed by ``{`` or ``[``, or standing
+    alone, that are not PromQL functions, keywords or label names inside braces."""
+    expr = re.sub(r"\{[^}]*\}", "{}", expr)  # drop matchers (label names and values)
+    expr = re.sub(r"(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
+    functions = set(re.findall(r"([a-zA-Z_]+)\s*\(", expr))
+    keywords = {
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "bool",
+        "by",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "without",
+        "m",
+        "s",
+        "h",
+        "d",
+        "w",
+        "e",
+    }
+    return {w for w in words - functions - keywords if not re.fullmatch(r"\d+[smhdw]", w)}
+
+
+def test_rules_name_only_metrics_of_the_table():
+    table = {m.name for m in METRICS} | PROMETHEUS_OWN
+    for path in (RULES_DIR / "stepmem.yml", RULES_DIR / "baselines.yml"):
+        doc = yaml.safe_load(path.read_text())
+        for group in doc["groups"]:
+            for rule in group["rules"]:
+                names = metric_names(rule["expr"])
+                assert names <= table, (rule.get("alert") or rule.get("record"), names - table)
+                if "record" in rule:
+                    assert rule["record"] in table
