@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
 
+    g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
+    g.add_argument("--out", type=Path, default=Path("grafana/dashboards"))
+
     d = sub.add_parser("devices", help="list GPUs on this node by UUID")
     d.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
     d.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
@@ -253,6 +256,14 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboards(ns: argparse.Namespace) -> int:
+    from collector.dashboards import write_all
+
+    for path in write_all(ns.out):
+        print(path)
+    return 0
+
+
 def _cmd_devices(ns: argparse.Namespace) -> int:
     if ns.backend == "replay":
         from collector.replay import ReplayBackend
@@ -313,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "devices": _cmd_devices,
             "capture": _cmd_capture,
             "baseline": _cmd_baseline,
+            "dashboards": _cmd_dashboards,
         }
         return handler[ns.command](ns)
     except UserError as exc:

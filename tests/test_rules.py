@@ -316,6 +316,7 @@ def metric_names(expr: str) -> set[str]:
     """Metric names an expression selects: identifiers followed by ``{`` or ``[``, or standing
     alone, that are not PromQL functions, keywords or label names inside braces."""
     expr = re.sub(r"\{[^}]*\}", "{}", expr)  # drop matchers (label names and values)
+    expr = re.sub(r"\$\w+", "", expr)  # Grafana variables ($__interval, $run)
     expr = re.sub(r"(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
     functions = set(re.findall(r"([a-zA-Z_]+)\s*\(", expr))
