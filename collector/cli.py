@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-id", default="", help="the run label on every series (default: time-based)"
     )
     r.add_argument(
+        "--store",
+        type=Path,
+        default=Path("runs"),
+        metavar="DIR",
+        help="run store root: the run is written to DIR/<run id> (default runs/)",
+    )
+    r.add_argument("--no-store", action="store_true", help="write no run store")
+    r.add_argument(
         "--workload-label",
         default="",
         metavar="NAME",
@@ -243,6 +251,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         window_s=ns.window,
         run_id=ns.run_id,
         workload_label=ns.workload_label,
+        store=None if ns.no_store else ns.store,
     )
     run_job(opts)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from collector.placement import (
 from collector.probe.core import Outbox
 from collector.records import StepEvent, StepRecord
 from collector.replay import Capture, resolve_capture
+from collector.store import RunWriter
 
 __all__ = ["JobOptions", "run_job"]
 
@@ -57,6 +59,7 @@ class JobOptions:
     metrics_port: int = 0
     window_s: float = 15.0
     run_id: str = ""
+    store: Path | None = Path("runs")  # run store root; None: no store
     workload_label: str = ""  # the `workload` label; default: the workload or the captures
 
 
@@ -115,7 +118,64 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
-def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | None, echo) -> int:
+class _Drainer:
+    """Pulls new samples, step records and probe events into the run store every interval."""
+
+    def __init__(
+        self,
+        writer: RunWriter,
+        placed: list[PlacedSampler],
+        events: list[dict[str, Any]],
+        interval_s: float = 2.0,
+    ) -> None:
+        self.writer, self.placed, self.events = writer, placed, events
+        self.interval_s = interval_s
+        self.cursors = {p.gpu_uuid: 0 for p in placed}
+        self.last_step = {p.gpu_uuid: -1 for p in placed}
+        self.samples_lost = 0
+        self.unreachable = 0
+        self._events_seen = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stepmem-store", daemon=True)
+        self._thread.start()
+
+    def drain(self, flush_steps: bool = False) -> None:
+        with self._lock:
+            for p in self.placed:
+                uuid = p.gpu_uuid
+                try:
+                    d = ray.get(p.handle.samples_since.remote(self.cursors[uuid]), timeout=30)
+                    recs = ray.get(
+                        p.handle.step_records.remote(self.last_step[uuid], flush_steps), timeout=30
+                    )
+                except Exception as exc:  # a dead sampler leaves a gap; training goes on
+                    self.unreachable += 1
+                    log.warning("run store: sampler %s unreachable: %s", p.name, exc)
+                    continue
+                self.writer.add_samples(uuid, d["t_ns"], d["used"], d["reserved"])
+                self.cursors[uuid] = d["next"]
+                self.samples_lost += d["lost"]
+                self.writer.add_records(recs)
+                if recs:
+                    self.last_step[uuid] = max(r["step"] for r in recs)
+            new = self.events[self._events_seen :]
+            self._events_seen += len(new)
+            self.writer.add_events(new)
+            self.writer.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.drain()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _replay_events(
+    placed: list[PlacedSampler], spec: BackendSpec, steps: int | None, outbox: Outbox, echo
+) -> int:
     """Send each simulated GPU's recorded events at their recorded times. Returns steps sent."""
     plan: list[tuple[int, dict[str, Any]]] = []
     for p in placed:
@@ -129,7 +189,6 @@ def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | 
     if not plan:
         raise RuntimeError("the replayed captures hold no step events")
     plan.sort(key=lambda x: x[0])
-    outbox = Outbox(lambda uuid: find_sampler(uuid), batch_max=1, flush_interval_s=0.05)
     done = 0
     for t, ev in plan:
         delay = (t - time.monotonic_ns()) / 1e9
@@ -141,7 +200,7 @@ def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | 
             done += 1
             if done % max(1, len(placed)) == 0:
                 echo(f"  replayed step {ev['step']}")
-    outbox.close()
+    outbox.flush()
     if outbox.dropped:
         echo(
             f"warning: {sum(outbox.dropped.values())} events could not be sent: "
@@ -150,10 +209,10 @@ def _replay_events(placed: list[PlacedSampler], spec: BackendSpec, steps: int | 
     return done
 
 
-def _run_live(opts: JobOptions, echo) -> dict[str, Any]:
+def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
     from collector.probe.core import StepProbe
 
-    probe = StepProbe()
+    probe = StepProbe(outbox=outbox)
     if opts.workload == "finetune":
         from workloads import finetune as wl
     elif opts.workload == "spiky":
@@ -199,31 +258,59 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             f"sampler {p.name} ({p.info['name']}, {p.info['total_bytes'] / GIB:.1f} GiB, "
             f"{p.info['backend']})"
         )
+    replay = spec.kind == "replay"
+    # Replayed steps go out one by one at their times; a live probe batches.
+    outbox = Outbox(
+        find_sampler, batch_max=1 if replay else 64, flush_interval_s=0.05 if replay else 0.5
+    )
+    writer = drainer = None
+    if opts.store is not None:
+        writer = RunWriter(opts.store / options.run_id, _meta(opts, options, banner, placed))
+        drainer = _Drainer(writer, placed, outbox.events)
+        echo(f"run store: {writer.root}")
     summary: dict[str, Any] = {}
-    if spec.kind == "replay":
-        # Align playback now that every sampler runs: the first recorded step starts in
-        # REPLAY_LEAD_S seconds on every replayed GPU.
-        first = min(
-            min((e["t_ns"] for e in Capture.load(resolve_capture(c)).events), default=0)
-            for c in spec.captures
-        )
-        origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / spec.speed)
-        ray.get([p.handle.replay_from.remote(origin) for p in placed], timeout=60)
+    status = "failed"
+    try:
+        if replay:
+            # Align playback now that every sampler runs: the first recorded step starts in
+            # REPLAY_LEAD_S seconds on every replayed GPU.
+            first = min(
+                min((e["t_ns"] for e in Capture.load(resolve_capture(c)).events), default=0)
+                for c in spec.captures
+            )
+            origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / spec.speed)
+            ray.get([p.handle.replay_from.remote(origin) for p in placed], timeout=60)
+            for p in placed:
+                p.info["replay_origin_ns"] = origin
+            _replay_events(placed, spec, opts.steps, outbox, echo)
+        else:
+            summary = _run_live(opts, outbox, echo)
+        status = "complete"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        outbox.close()
+        time.sleep(0.1)
+        records = []
         for p in placed:
-            p.info["replay_origin_ns"] = origin
-        _replay_events(placed, spec, opts.steps, echo)
-    else:
-        summary = _run_live(opts, echo)
-    time.sleep(0.1)
-    records = []
-    for p in placed:
-        records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
-    records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
-    # Stop sampling, join what is pending and flush remote write on every sampler.
-    health = ray.get([p.handle.stop.remote() for p in placed], timeout=60)
-    if refresher is not None:
-        refresher.stop()
-        write_targets(opts.targets, [])  # the run is over: no stale targets left to alert on
+            records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
+        records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
+        # Stop sampling, join what is pending and flush remote write on every sampler.
+        health = ray.get([p.handle.stop.remote() for p in placed], timeout=60)
+        if drainer is not None:
+            drainer.stop()
+            drainer.drain(flush_steps=True)
+            writer.close(
+                status,
+                health=health,
+                samples_lost=drainer.samples_lost,
+                samplers_unreachable=drainer.unreachable,
+                workload_summary=summary,
+            )
+        if refresher is not None:
+            refresher.stop()
+            write_targets(opts.targets, [])  # the run is over: no stale targets to alert on
     print_table(records, echo)
     if opts.out:
         doc = {
@@ -236,6 +323,41 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         opts.out.write_text(json.dumps(doc, indent=1))
         echo(f"step records written to {opts.out}")
     return records
+
+
+def _meta(
+    opts: JobOptions, options: SamplerOptions, banner: str, placed: list[PlacedSampler]
+) -> dict[str, Any]:
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for dist in ("stepmem", "torch", "transformers", "bitsandbytes", "ray", "nvidia-ml-py"):
+        try:
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "run_id": options.run_id,
+        "workload": options.workload,
+        "banner": banner,
+        "command": sys.argv,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "backend": placed[0].info["backend"] if placed else None,
+        "rate_hz": options.rate_hz,
+        "window_s": options.window_s,
+        "job": {
+            "workload": opts.workload,
+            "workload_args": opts.workload_args,
+            "captures": opts.captures,
+            "gpus": opts.gpus,
+            "speed": opts.speed,
+            "steps": opts.steps,
+        },
+        "samplers": [p.info for p in placed],
+        "driver": placed[0].info["driver"] if placed else None,
+        "versions": versions,
+    }
 
 
 def print_table(records: list[dict[str, Any]], echo=print) -> None:

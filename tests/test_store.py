@@ -1,0 +1,109 @@
+"""The run store: round trip, incremental atomic parts, a run killed mid-way, write failures."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from collector.store import RunStore, RunWriter, StoreError
+
+
+def record(step, uuid="GPU-a"):
+    return {
+        "gpu_uuid": uuid,
+        "step": step,
+        "begin_ns": step * 10,
+        "end_ns": step * 10 + 5,
+        "samples": 3,
+        "gap": "",
+        "nvml_peak_bytes": 100 + step,
+        "nvml_peak_t_ns": step * 10,
+        "nvml_min_bytes": 1,
+        "nvml_end_bytes": 50,
+        "nvml_reserved_bytes": 7,
+        "torch_allocated_peak_bytes": 90,
+        "torch_reserved_peak_bytes": 95,
+        "torch_end": {"reserved_bytes.all.current": 40},
+        "ledger": {"parameters": 10},
+        "phases": [{"phase": "optimizer"}],
+    }
+
+
+def test_round_trip(tmp_path):
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_samples("GPU-a", np.arange(5), np.arange(5) * 2, np.zeros(5))
+    w.add_records([record(1), record(2)])
+    w.add_events(
+        [
+            {
+                "kind": "begin",
+                "step": 1,
+                "t_ns": 1,
+                "gpu_uuid": "GPU-a",
+                "phase": "",
+                "torch": {"x": 1},
+                "ledger": {},
+            }
+        ]
+    )
+    w.flush()
+    w.add_samples("GPU-a", np.arange(5, 8), np.arange(5, 8) * 2, np.zeros(3))
+    w.close()
+    s = RunStore(tmp_path / "run")
+    assert s.meta["status"] == "complete" and s.meta["run_id"] == "r1"
+    assert s.gpus() == ["GPU-a"]
+    assert s.samples("GPU-a")["used"].tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+    steps = s.steps()
+    assert steps["step"].tolist() == [1, 2]
+    assert steps["torch_end.reserved_bytes.all.current"].tolist() == [40, 40]
+    assert steps["ledger.parameters"].tolist() == [10, 10]
+    assert s.events()["kind"].tolist() == ["begin"]
+    assert s.meta["rows_written"] == {"samples": 8, "steps": 2, "events": 1, "meta": 0}
+
+
+def test_a_directory_that_is_not_a_run_is_named(tmp_path):
+    with pytest.raises(StoreError, match="not a stepmem run directory"):
+        RunStore(tmp_path)
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(StoreError, match="corrupt"):
+        RunStore(tmp_path)
+
+
+def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, numpy as np
+        from collector.store import RunWriter
+        w = RunWriter({str(tmp_path / "run")!r}, {{"run_id": "killed"}})
+        for i in range(1000):
+            w.add_samples("GPU-a", np.arange(i * 100, i * 100 + 100), np.full(100, i),
+                          np.zeros(100))
+            w.add_records([{{"gpu_uuid": "GPU-a", "step": i + 1, "begin_ns": 0, "end_ns": 1,
+                             "samples": 1, "nvml_peak_bytes": i}}])
+            w.flush()
+            if i == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert res.returncode == -9
+    s = RunStore(tmp_path / "run")
+    assert s.meta["status"] == "running"  # never closed
+    assert len(s.samples("GPU-a")) == 700 and s.steps()["step"].tolist() == list(range(1, 8))
+    leftovers = [p for p in (tmp_path / "run").rglob("*") if p.name.startswith(".")]
+    assert all(p.suffix == ".tmp" for p in leftovers)  # at worst a temp file, never a torn part
+
+
+def test_write_failures_are_counted_and_never_raised(tmp_path, caplog):
+    w = RunWriter(tmp_path / "run", {"run_id": "r"})
+    steps = tmp_path / "run" / "steps"
+    os.rmdir(steps)
+    steps.write_text("not a directory")  # every steps part now fails to write
+    w.add_records([record(1)])
+    w.add_samples("GPU-a", np.arange(3), np.arange(3), np.arange(3))
+    w.flush()
+    w.close()
+    assert w.write_errors == {"steps": 1}
+    assert w.rows_written["samples"] == 3
+    assert "run store write failed" in caplog.text
