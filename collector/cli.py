@@ -56,6 +56,16 @@ def _port(text: str) -> int:
     return v
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < 10:
+        raise argparse.ArgumentTypeError(f"tolerance is a fraction (0.05 = 5 %), got {v}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -166,6 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
 
+    rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
+    rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
+    rp.add_argument("--out", type=Path, help="also write the report text here")
+
+    cp = sub.add_parser("compare", help="NEW against BASE per GPU and step; exit 1 on regression")
+    cp.add_argument("base", type=Path)
+    cp.add_argument("new", type=Path)
+    cp.add_argument(
+        "--tolerance",
+        type=_fraction,
+        default=0.05,
+        help="allowed growth of a within-step peak, e.g. 0.05 for 5 %% (default)",
+    )
+    cp.add_argument("--markdown", type=Path, help="write the Markdown (for a PR comment) here")
+
     g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
     g.add_argument("--out", type=Path, default=Path("grafana/dashboards"))
 
@@ -265,6 +290,26 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(ns: argparse.Namespace) -> int:
+    from collector.report import load_run, render_report
+
+    text, _ = render_report(load_run(ns.run))
+    print(text)
+    if ns.out:
+        ns.out.write_text(text)
+    return 0
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from collector.report import compare, load_run
+
+    md, regressed = compare(load_run(ns.base), load_run(ns.new), ns.tolerance)
+    print(md)
+    if ns.markdown:
+        ns.markdown.write_text(md)
+    return 1 if regressed else 0
+
+
 def _cmd_dashboards(ns: argparse.Namespace) -> int:
     from collector.dashboards import write_all
 
@@ -334,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             "capture": _cmd_capture,
             "baseline": _cmd_baseline,
             "dashboards": _cmd_dashboards,
+            "report": _cmd_report,
+            "compare": _cmd_compare,
         }
         return handler[ns.command](ns)
     except UserError as exc:

@@ -19,7 +19,6 @@ from typing import Any
 import ray
 
 from collector.export.file_sd import TargetsRefresher, write_targets
-from collector.export.values import nontorch_bytes
 from collector.placement import (
     BackendSpec,
     PlacedSampler,
@@ -311,7 +310,12 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         if refresher is not None:
             refresher.stop()
             write_targets(opts.targets, [])  # the run is over: no stale targets to alert on
-    print_table(records, echo)
+    from collector.report import Run, render_report
+
+    text, _ = render_report(
+        Run(options.run_id, {"banner": banner, "samplers": [p.info for p in placed]}, records)
+    )
+    echo(text.rstrip())
     if opts.out:
         doc = {
             "banner": banner,
@@ -358,53 +362,3 @@ def _meta(
         "driver": placed[0].info["driver"] if placed else None,
         "versions": versions,
     }
-
-
-def print_table(records: list[dict[str, Any]], echo=print) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="stepmem: memory per step (GiB)", show_lines=False)
-    for col in (
-        "gpu",
-        "step",
-        "s",
-        "samples",
-        "nvml peak",
-        "nvml end",
-        "alloc peak",
-        "alloc end",
-        "resv peak",
-        "resv end",
-        "non-torch",
-        "opt state",
-        "managed",
-        "gap",
-    ):
-        table.add_column(col, justify="right")
-
-    def g(v: Any) -> str:
-        return "" if v is None else f"{v / GIB:.2f}"
-
-    for r in records:
-        te, led = r.get("torch_end") or {}, r.get("ledger") or {}
-        table.add_row(
-            r["gpu_uuid"][4:12],
-            str(r["step"]),
-            f"{(r['end_ns'] - r['begin_ns']) / 1e9:.2f}",
-            str(r["samples"]),
-            g(r["nvml_peak_bytes"]),
-            g(r["nvml_end_bytes"]),
-            g(r.get("torch_allocated_peak_bytes")),
-            g(te.get("allocated_bytes.all.current")),
-            g(r.get("torch_reserved_peak_bytes")),
-            g(te.get("reserved_bytes.all.current")),
-            g(nontorch_bytes(r)),
-            g(led.get("optimizer_state")),
-            g(led.get("optimizer_state_managed")),
-            r.get("gap", ""),
-        )
-    console = Console(width=160)
-    with console.capture() as cap:
-        console.print(table)
-    echo(cap.get().rstrip())

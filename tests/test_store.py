@@ -91,6 +91,10 @@ def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path):
     s = RunStore(tmp_path / "run")
     assert s.meta["status"] == "running"  # never closed
     assert len(s.samples("GPU-a")) == 700 and s.steps()["step"].tolist() == list(range(1, 8))
+    from collector.report import load_run, render_report
+
+    text, _ = render_report(load_run(tmp_path / "run"))  # the report reads it too
+    assert "memory per step" in text
     leftovers = [p for p in (tmp_path / "run").rglob("*") if p.name.startswith(".")]
     assert all(p.suffix == ".tmp" for p in leftovers)  # at worst a temp file, never a torn part
 

@@ -1,0 +1,314 @@
+"""Rules that explain a run's memory, in plain words with numbers.
+
+Each rule reads one GPU's step records (dicts as ``stepmem run --out`` writes them, or rows of
+the run store unflattened by :func:`collector.report.load_run`) and returns findings. The rules,
+in order:
+
+1. **Steady state** — the first step from which end-of-step torch reserved and NVML used change
+   by less than ``STEADY_BYTES`` per step to the end of the run; if there is none, the run is
+   still growing: by how much per step, in which pool (allocated, reserved, NVML, non-torch).
+2. **Jumps before it** — every end-of-step *reserved* increase above ``JUMP_BYTES``. A jump is
+   *explained by the peak* when the step's within-step allocated peak grew by about as much
+   (within ``MATCH_FRACTION`` or ``MATCH_BYTES``): the allocator reserved the higher peak for good.
+   The ledger then says which state appeared in the previous step (the largest ledger growth) and
+   the phase peaks say where the new peak falls. A jump the peak does not explain is attributed to
+   the allocator (new segments, inactive split blocks), not to new state.
+3. **Memory outside the allocator** — non-torch memory at the end of the last step: managed
+   (paged) optimizer state when the ledger holds it, otherwise the CUDA context and other
+   libraries' allocations.
+4. **Cache and fragmentation** — reserved − allocated at the last step's end and peak, inactive
+   split bytes, allocator retries.
+5. **Transients** — steps whose NVML within-step peak exceeds their end-of-step reading by more
+   than ``TRANSIENT_BYTES`` (and 5 %): memory that came and went inside the step.
+6. **Headroom and OOM** — the largest peak against the card's capacity; a step in which the
+   allocator counted an OOM, with the peak that preceded it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Finding", "diagnose"]
+
+GIB = 1 << 30
+MIB = 1 << 20
+STEADY_BYTES = 64 * MIB
+JUMP_BYTES = 256 * MIB
+MATCH_FRACTION = 0.15
+MATCH_BYTES = 128 * MIB
+TRANSIENT_BYTES = 256 * MIB
+
+
+@dataclass
+class Finding:
+    rule: str  # steady_state | growing | jump | nontorch | cache | transient | headroom | oom
+    text: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+def g(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _te(r: dict[str, Any], key: str) -> int | None:
+    v = (r.get("torch_end") or {}).get(key)
+    return None if v is None else int(v)
+
+
+def _nontorch(r: dict[str, Any]) -> int | None:
+    res = _te(r, "reserved_bytes.all.current")
+    if res is None:
+        return None
+    return r["nvml_end_bytes"] - res - (_te(r, "context_baseline_bytes") or 0)
+
+
+def _peak_phase(r: dict[str, Any]) -> str | None:
+    phases = [p for p in r.get("phases") or [] if p.get("torch_allocated_peak_bytes") is not None]
+    if not phases:
+        return None
+    return max(phases, key=lambda p: p["torch_allocated_peak_bytes"])["phase"]
+
+
+def _steady_from(recs: list[dict[str, Any]]) -> int | None:
+    """Index of the first record from which reserved and NVML end stay within STEADY_BYTES."""
+
+    def series(r):
+        return (_te(r, "reserved_bytes.all.current") or 0, r["nvml_end_bytes"])
+
+    start = None
+    for i in range(len(recs) - 1, 0, -1):
+        a, b = series(recs[i - 1]), series(recs[i])
+        if all(abs(y - x) < STEADY_BYTES for x, y in zip(a, b, strict=True)):
+            start = i - 1
+        else:
+            break
+    return start
+
+
+def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
+    """Findings for one GPU's records (sorted by step)."""
+    # Records of a run that died may lack fields: read them as zero rather than fail.
+    recs = sorted(
+        (
+            {
+                **r,
+                "nvml_peak_bytes": r.get("nvml_peak_bytes") or 0,
+                "nvml_end_bytes": r.get("nvml_end_bytes") or 0,
+            }
+            for r in recs
+        ),
+        key=lambda r: r["step"],
+    )
+    out: list[Finding] = []
+    if not recs:
+        return [Finding("empty", "No complete step was recorded.")]
+    has_torch = _te(recs[0], "reserved_bytes.all.current") is not None
+
+    # 1. steady state, or growth
+    k = _steady_from(recs) if len(recs) >= 3 else None
+    if k is not None and len(recs) - k >= 2:
+        first = recs[k]
+        out.append(
+            Finding(
+                "steady_state",
+                f"Steady state from step {first['step']}: end-of-step memory stays "
+                f"within {STEADY_BYTES // MIB} MiB a step (torch reserved "
+                f"{g(_te(first, 'reserved_bytes.all.current') or 0)}, NVML "
+                f"{g(first['nvml_end_bytes'])}).",
+                {"step": first["step"]},
+            )
+        )
+    elif len(recs) >= 3:
+        n = len(recs) - 1
+        rates = {
+            "torch allocated": (
+                (_te(recs[-1], "allocated_bytes.all.current") or 0)
+                - (_te(recs[0], "allocated_bytes.all.current") or 0)
+            )
+            / n,
+            "torch reserved": (
+                (_te(recs[-1], "reserved_bytes.all.current") or 0)
+                - (_te(recs[0], "reserved_bytes.all.current") or 0)
+            )
+            / n,
+            "NVML used": (recs[-1]["nvml_end_bytes"] - recs[0]["nvml_end_bytes"]) / n,
+        }
+        if has_torch:
+            rates["outside the allocator"] = (
+                (_nontorch(recs[-1]) or 0) - (_nontorch(recs[0]) or 0)
+            ) / n
+        pool = max(rates, key=lambda p: rates[p])
+        out.append(
+            Finding(
+                "growing",
+                f"No steady state: end-of-step memory still grows at the last step; "
+                f"{pool} grows fastest, {rates[pool] / MIB:.0f} MiB a step on average "
+                f"over steps {recs[0]['step']}–{recs[-1]['step']}.",
+                {"pool": pool, "bytes_per_step": rates[pool]},
+            )
+        )
+
+    # 2. jumps in reserved, attributed
+    if has_torch:
+        for prev, cur in itertools.pairwise(recs):
+            d_res = (_te(cur, "reserved_bytes.all.current") or 0) - (
+                _te(prev, "reserved_bytes.all.current") or 0
+            )
+            if d_res <= JUMP_BYTES:
+                continue
+            d_peak = (cur.get("torch_allocated_peak_bytes") or 0) - (
+                prev.get("torch_allocated_peak_bytes") or 0
+            )
+            text = (
+                f"Step {prev['step']}→{cur['step']}: torch reserved at step end grew by "
+                f"{g(d_res)}. "
+            )
+            nums = {
+                "from_step": prev["step"],
+                "to_step": cur["step"],
+                "reserved_jump": d_res,
+                "allocated_peak_growth": d_peak,
+            }
+            if abs(d_res - d_peak) <= max(MATCH_FRACTION * d_res, MATCH_BYTES):
+                text += (
+                    f"The within-step allocated peak grew by {g(d_peak)} between the same "
+                    "steps: the allocator reserved the higher peak and kept it."
+                )
+                before = recs[recs.index(prev) - 1]["ledger"] if recs.index(prev) > 0 else {}
+                grown = {
+                    kind: v - (before or {}).get(kind, 0)
+                    for kind, v in (prev.get("ledger") or {}).items()
+                    # state that appears during training; parameters exist before it
+                    if kind in ("optimizer_state", "optimizer_state_managed")
+                }
+                if grown:
+                    kind = max(grown, key=lambda k: grown[k])
+                    if grown[kind] > JUMP_BYTES:
+                        text += (
+                            f" {kind.replace('_', ' ')} ({g(grown[kind])}) appeared in step "
+                            f"{prev['step']} and was resident during step {cur['step']}"
+                        )
+                        nums["new_state"], nums["new_state_bytes"] = kind, grown[kind]
+                        phase = _peak_phase(cur)
+                        if phase:
+                            text += f", whose peak falls in its {phase.replace('_', '/')} phase"
+                            nums["peak_phase"] = phase
+                        text += "."
+                nums["cause"] = "peak"
+            else:
+                seg = (_te(cur, "segment.all.current") or 0) - (
+                    _te(prev, "segment.all.current") or 0
+                )
+                split = _te(cur, "inactive_split_bytes.all.current") or 0
+                text += (
+                    f"The within-step allocated peak grew by only {g(d_peak)}: the jump "
+                    f"comes from the allocator, not from new state ({seg:+d} segments, "
+                    f"{g(split)} in inactive split blocks at step end)."
+                )
+                nums["cause"] = "allocator"
+            out.append(Finding("jump", text, nums))
+
+    last = recs[-1]
+    # 3. memory outside the allocator
+    nt = _nontorch(last)
+    if nt is not None:
+        managed = (last.get("ledger") or {}).get("optimizer_state_managed", 0)
+        if managed > JUMP_BYTES:
+            out.append(
+                Finding(
+                    "nontorch",
+                    f"{g(nt)} of NVML used at step end is outside the torch allocator; "
+                    f"managed (paged) optimizer state accounts for {g(managed)} of it: "
+                    "absent from torch allocated and reserved, present in NVML device "
+                    "used once its pages sit on the GPU.",
+                    {"nontorch": nt, "managed": managed},
+                )
+            )
+        else:
+            out.append(
+                Finding(
+                    "nontorch",
+                    f"{g(nt)} of NVML used at step end is outside the torch allocator "
+                    "beyond the CUDA context measured before training: other "
+                    "libraries' allocations (cuBLAS/cuDNN workspaces, NCCL).",
+                    {"nontorch": nt, "managed": managed},
+                )
+            )
+    # 4. cache and fragmentation
+    if has_torch:
+        res, alloc = (
+            _te(last, "reserved_bytes.all.current") or 0,
+            _te(last, "allocated_bytes.all.current") or 0,
+        )
+        split = _te(last, "inactive_split_bytes.all.current") or 0
+        retries = _te(last, "num_alloc_retries") or 0
+        peak_gap = (last.get("torch_reserved_peak_bytes") or 0) - (
+            last.get("torch_allocated_peak_bytes") or 0
+        )
+        out.append(
+            Finding(
+                "cache",
+                f"At the end of step {last['step']} the allocator holds {g(res - alloc)} "
+                f"more than live tensors use (reserved {g(res)}, allocated {g(alloc)}); "
+                f"at the peak the gap is {g(peak_gap)}; {g(split)} sit in inactive "
+                f"split blocks; {retries} allocation retries so far.",
+                {
+                    "cached_end": res - alloc,
+                    "cached_peak": peak_gap,
+                    "inactive_split": split,
+                    "retries": retries,
+                },
+            )
+        )
+    # 5. transients
+    spikes = [
+        r
+        for r in recs
+        if r["nvml_peak_bytes"] - r["nvml_end_bytes"]
+        > max(TRANSIENT_BYTES, 0.05 * r["nvml_end_bytes"])
+    ]
+    if spikes:
+        big = max(spikes, key=lambda r: r["nvml_peak_bytes"] - r["nvml_end_bytes"])
+        out.append(
+            Finding(
+                "transient",
+                f"{len(spikes)} of {len(recs)} steps peak well above their end-of-step "
+                f"reading; the largest, step {big['step']}, rose "
+                f"{g(big['nvml_peak_bytes'] - big['nvml_end_bytes'])} above its end "
+                "reading and fell back inside the step.",
+                {
+                    "steps": len(spikes),
+                    "largest_step": big["step"],
+                    "largest_bytes": big["nvml_peak_bytes"] - big["nvml_end_bytes"],
+                },
+            )
+        )
+    # 6. headroom and OOM
+    top = max(recs, key=lambda r: r["nvml_peak_bytes"])
+    if total_bytes:
+        out.append(
+            Finding(
+                "headroom",
+                f"Largest within-step peak: {g(top['nvml_peak_bytes'])} in step "
+                f"{top['step']}, {100 * top['nvml_peak_bytes'] / total_bytes:.1f} % of "
+                f"the card's {g(total_bytes)}; headroom "
+                f"{g(total_bytes - top['nvml_peak_bytes'])}.",
+                {"peak": top["nvml_peak_bytes"], "total": total_bytes},
+            )
+        )
+    prev_ooms = 0
+    for r in recs:
+        ooms = _te(r, "num_ooms") or 0
+        if ooms > prev_ooms:
+            out.append(
+                Finding(
+                    "oom",
+                    f"Step {r['step']} hit a CUDA out-of-memory error; the NVML peak "
+                    f"inside it reached {g(r['nvml_peak_bytes'])}.",
+                    {"step": r["step"], "peak": r["nvml_peak_bytes"]},
+                )
+            )
+        prev_ooms = ooms
+    return out
