@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
     rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
     rp.add_argument("--out", type=Path, help="also write the report text here")
+    rp.add_argument("--png", type=Path, help="write the timeline picture (run directory only)")
+    rp.add_argument("--html", type=Path, help="write an interactive timeline (run directory only)")
 
     cp = sub.add_parser("compare", help="NEW against BASE per GPU and step; exit 1 on regression")
     cp.add_argument("base", type=Path)
@@ -293,10 +295,27 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
 def _cmd_report(ns: argparse.Namespace) -> int:
     from collector.report import load_run, render_report
 
-    text, _ = render_report(load_run(ns.run))
+    run = load_run(ns.run)
+    text, _ = render_report(run)
     print(text)
     if ns.out:
         ns.out.write_text(text)
+    if ns.png or ns.html:
+        if not ns.run.is_dir():
+            raise UserError("stepmem report: --png/--html need a run directory (the trace)")
+        from collector import timeline
+        from collector.store import RunStore
+
+        store = RunStore(ns.run)
+        try:
+            if ns.png:
+                print(f"timeline: {timeline.render_png(run, store, ns.png)}")
+            if ns.html:
+                print(f"interactive timeline: {timeline.render_html(run, store, ns.html)}")
+        except ImportError as exc:
+            raise UserError(
+                f"stepmem report: pictures need pip install 'stepmem[report]' ({exc})"
+            ) from None
     return 0
 
 
