@@ -24,6 +24,7 @@ COLORS = {
     "parameters": "#4c72b0",
     "gradients": "#dd8452",
     "optimizer_state": "#55a868",
+    "optimizer_state_managed": "#8172b3",
     "other_allocated": "#c7c7c7",
 }
 
