@@ -18,8 +18,13 @@ from collector.store import RunStore
 __all__ = ["render_html", "render_png"]
 
 GIB = float(1 << 30)
-LEDGER = ("parameters", "gradients", "optimizer_state", "optimizer_state_managed",
-          "other_allocated")
+LEDGER = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "optimizer_state_managed",
+    "other_allocated",
+)
 COLORS = {
     "parameters": "#4c72b0",
     "gradients": "#dd8452",

@@ -164,3 +164,9 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     assert len(store.steps()) == 6 and len(store.events()) == 2 * 4 * 3  # begin, 2 phases, end
     for uuid in store.gpus():
         assert len(store.samples(uuid)) > 500  # the full-rate trace, not a summary
+    png, html = tmp_path / "t.png", tmp_path / "t.html"
+    rep = stepmem("report", str(run), "--png", str(png), "--html", str(html))
+    assert rep.returncode == 0, rep.stderr
+    assert "Steady state" in rep.stdout or "No steady state" in rep.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "plotly" in html.read_text()[:200_000].lower()
