@@ -362,3 +362,12 @@ def _meta(
         "driver": placed[0].info["driver"] if placed else None,
         "versions": versions,
     }
+
+
+if __name__ == "__main__":
+    # `ray job submit --working-dir . -- python -m collector.job [stepmem run options]`
+    import sys
+
+    from collector.cli import main
+
+    sys.exit(main(["run", *sys.argv[1:]]))
