@@ -11,7 +11,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -240,20 +239,7 @@ def _strip_dashes(args: list[str]) -> list[str]:
     return args[1:] if args and args[0] == "--" else args
 
 
-def _terminate_as_interrupt() -> None:
-    """SIGTERM (``ray job stop``, a scheduler's kill) ends the run like Ctrl-C: samplers stopped,
-    the run store flushed and marked ``interrupted``."""
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-        signal.signal(signal.SIGTERM, handler)
-
-
 def _cmd_run(ns: argparse.Namespace) -> int:
-    _terminate_as_interrupt()
     from collector.job import JobOptions, run_job
 
     remote_write = None

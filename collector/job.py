@@ -8,6 +8,7 @@ at their recorded times, through the probe's outbox — so the step records matc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -96,6 +97,18 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
 
 def _rate(rate_hz: float) -> str:
     return "max rate" if rate_hz == 0 else f"{rate_hz:g} Hz"
+
+
+def terminate_as_interrupt() -> None:
+    """SIGTERM (``ray job stop``, a scheduler's kill) ends the run like Ctrl-C: samplers stopped,
+    the run store flushed and marked ``interrupted``."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _init_ray(address: str | None) -> bool:
@@ -234,6 +247,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
     echo(banner)
     local = _init_ray(opts.ray_address)
+    terminate_as_interrupt()  # after ray.init, which installs a SIGTERM handler of its own
     # A cluster this job started itself is a single machine: keep /metrics on loopback there.
     addr = opts.metrics_addr or ("127.0.0.1" if local else None)
     options = SamplerOptions(

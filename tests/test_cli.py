@@ -170,3 +170,45 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     assert "Steady state" in rep.stdout or "No steady state" in rep.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "plotly" in html.read_text()[:200_000].lower()
+
+
+@pytest.mark.ray
+def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "collector.cli",
+            "run",
+            "--capture",
+            "adamw_8bit",
+            "--speed",
+            "0.5",
+            "--store",
+            str(tmp_path / "runs"),
+            "--run-id",
+            "term",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    meta = tmp_path / "runs" / "term" / "meta.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        meta.exists() and list((tmp_path / "runs" / "term" / "samples").glob("*/part-*"))
+    ):
+        time.sleep(0.2)
+    time.sleep(2.5)  # inside step 1 of the replay
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    store = RunStore(tmp_path / "runs" / "term")
+    assert store.meta["status"] == "interrupted"
+    assert store.meta["health"]  # the samplers were stopped and reported
+    (uuid,) = store.gpus()
+    assert len(store.samples(uuid)) > 1000  # every sample up to the signal
