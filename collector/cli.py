@@ -36,44 +36,34 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str, kind: type, lo: float, hi: float, what: str) -> float:
+    """Parse ``text`` as ``kind`` within [lo, hi] for argparse, naming the problem in one line."""
     try:
-        v = float(text)
+        v = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not lo <= v <= hi:
+        raise argparse.ArgumentTypeError(f"must be in {lo:g}..{hi:g}, got {text}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    return int(_number(text, int, 1, float("inf"), "an integer"))
+
+
+def _positive_float(text: str) -> float:
+    v = _number(text, float, 0, float("inf"), "a number")
+    if v == 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return v
 
 
 def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {v}")
-    return v
+    return int(_number(text, int, 0, 65535, "a port number"))
 
 
 def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v < 10:
-        raise argparse.ArgumentTypeError(f"tolerance is a fraction (0.05 = 5 %), got {v}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+    return _number(text, float, 0, 10, "a number (0.05 = 5 %)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME|PATH",
         help="capture(s) to replay (default: adamw_8bit); repeat for several",
     )
-    r.add_argument("--gpus", type=_positive_int, help="simulated GPUs per node (replay)")
+    r.add_argument("--gpus", type=positive_int, help="simulated GPUs per node (replay)")
     r.add_argument("--rate", type=_rate, default=1000.0, help="sampling rate in Hz, or 'max'")
     r.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed (default 1)")
-    r.add_argument("--steps", type=_positive_int, help="stop after this many steps (replay)")
+    r.add_argument("--steps", type=positive_int, help="stop after this many steps (replay)")
     r.add_argument(
         "--workload",
         choices=("finetune", "spiky"),

@@ -172,6 +172,8 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from collector.cli import positive_int
+
     p = argparse.ArgumentParser(prog="finetune", description=__doc__.splitlines()[0])
     p.add_argument(
         "--size",
@@ -185,15 +187,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="optimizer (default: adamw_8bit on a GPU, adamw_torch elsewhere)",
     )
-    p.add_argument("--steps", type=_positive, default=4, help="optimizer steps (default 4)")
+    p.add_argument("--steps", type=positive_int, default=4, help="optimizer steps (default 4)")
     p.add_argument(
         "--seq-len",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="tokens per sequence (default: 4096 on a GPU, 64 elsewhere)",
     )
-    p.add_argument("--batch", type=_positive, default=1)
-    p.add_argument("--grad-accum", type=_positive, default=2)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--grad-accum", type=positive_int, default=2)
     p.add_argument(
         "--device-map",
         choices=("auto", "none"),
@@ -203,16 +205,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", action="store_true", help="run without stepmem's probe")
     p.add_argument("--summary", type=Path, help="write the run summary (JSON) here")
     return p
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def defaults(args: argparse.Namespace) -> argparse.Namespace:
