@@ -117,12 +117,17 @@ class SamplerOptions:
             raise ValueError(f"rate must be >= 0 Hz (0 = max), got {self.rate_hz}")
 
 
-@ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=0)
+@ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=3)
 class SamplerActor:
     """Samples one GPU and joins the step events the training side sends it.
 
     ``record_events`` is meant to be called fire-and-forget (``actor.record_events.remote(batch)``
     with the ref dropped): it validates each event, counts what it rejects and never raises.
+
+    Restarts: a dead sampler is restarted by Ray (``max_restarts=3``) with a fresh ring, and calls
+    made while it restarts are retried on the new process (``max_task_retries=3``), so the
+    probe's events are not lost; steps that began before the restart are flagged
+    ``sampler_started`` in their records.
     """
 
     def __init__(
@@ -290,6 +295,12 @@ class SamplerActor:
         if not hasattr(self.device, "origin_ns"):
             raise TypeError("replay_from is for the replay backend")
         self.device.origin_ns = int(origin_ns)
+
+    def inject_fault(self, kind: str, every: int = 1) -> None:
+        """Replay backend only: make NVML reads fail (see ``ReplayDevice.inject``)."""
+        if not hasattr(self.device, "inject"):
+            raise TypeError("fault injection is for the replay backend")
+        self.device.inject(kind, every, time.monotonic_ns())
 
     def thread_cpu_s(self) -> float:
         return self.sampler.thread_cpu_s()

@@ -31,7 +31,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from collector.nvml import NvmlGpuLost, NvmlNotFound
+from collector.nvml import (
+    NvmlGpuLost,
+    NvmlNotFound,
+    NvmlNotSupported,
+    NvmlUnavailable,
+    NvmlUnknown,
+)
 from collector.records import DeviceInfo, MemoryInfo, ProcessMemory
 
 __all__ = [
@@ -45,6 +51,12 @@ __all__ = [
 ]
 
 META_KEY = b"stepmem.capture"
+_FAULTS = {
+    "gpu_lost": NvmlGpuLost,
+    "not_supported": NvmlNotSupported,
+    "unavailable": NvmlUnavailable,
+    "unknown": NvmlUnknown,
+}
 FORMAT = 1
 CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
 _NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
@@ -223,7 +235,8 @@ class ReplayDevice:
             1, int(np.median(np.diff(capture.t_ns))) if len(capture.t_ns) > 1 else 1
         )
         self.memory_info_version = int(capture.device.get("memory_info_version", 2))
-        self._lost_at_ns: int | None = None
+        self._fault: tuple[type, int, int] | None = None
+        self._reads = 0
 
     @property
     def uuid(self) -> str:
@@ -240,14 +253,26 @@ class ReplayDevice:
         """The monotonic time at which the replay reaches ``capture_t_ns`` (on lap ``lap``)."""
         return self.origin_ns + int((capture_t_ns + lap * self._period) / self.speed)
 
+    def inject(self, kind: str, every: int = 1, from_ns: int = 0) -> None:
+        """Fault injection: from monotonic ``from_ns`` on, every ``every``-th read raises the
+        typed NVML error of ``kind`` (``gpu_lost``, ``not_supported``, ``unknown``, ...)."""
+        if kind not in _FAULTS:
+            raise ValueError(f"fault kind {kind!r} is not one of {sorted(_FAULTS)}")
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self._fault = (_FAULTS[kind], every, from_ns)
+        self._reads = 0
+
     def lose_at(self, t_ns: int) -> None:
         """Fault injection: from monotonic ``t_ns`` on, every read raises ``NvmlGpuLost``."""
-        self._lost_at_ns = t_ns
+        self.inject("gpu_lost", 1, t_ns)
 
     def _index(self) -> int:
         now = self._clock()
-        if self._lost_at_ns is not None and now >= self._lost_at_ns:
-            raise NvmlGpuLost(f"{self.uuid}: GPU is lost (replayed fault)")
+        if self._fault is not None and now >= self._fault[2]:
+            self._reads += 1
+            if self._reads % self._fault[1] == 0:
+                raise self._fault[0](f"{self.uuid}: replayed fault")
         return max(0, int(np.searchsorted(self._t, self.position_ns(now), "right")) - 1)
 
     def read(self) -> tuple[int, int]:
