@@ -137,16 +137,15 @@ class _Drainer:
         self,
         writer: RunWriter,
         placed: list[PlacedSampler],
-        events: list[dict[str, Any]],
+        outbox: Outbox,
         interval_s: float = 2.0,
     ) -> None:
-        self.writer, self.placed, self.events = writer, placed, events
+        self.writer, self.placed, self.outbox = writer, placed, outbox
         self.interval_s = interval_s
         self.cursors = {p.gpu_uuid: 0 for p in placed}
         self.last_step = {p.gpu_uuid: -1 for p in placed}
         self.samples_lost = 0
         self.unreachable = 0
-        self._events_seen = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stepmem-store", daemon=True)
@@ -171,9 +170,7 @@ class _Drainer:
                 self.writer.add_records(recs)
                 if recs:
                     self.last_step[uuid] = max(r["step"] for r in recs)
-            new = self.events[self._events_seen :]
-            self._events_seen += len(new)
-            self.writer.add_events(new)
+            self.writer.add_events(self.outbox.take_events())
             self.writer.flush()
 
     def _run(self) -> None:
@@ -279,7 +276,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     writer = drainer = None
     if opts.store is not None:
         writer = RunWriter(opts.store / options.run_id, _meta(opts, options, banner, placed))
-        drainer = _Drainer(writer, placed, outbox.events)
+        drainer = _Drainer(writer, placed, outbox)
         echo(f"run store: {writer.root}")
     summary: dict[str, Any] = {}
     status = "failed"

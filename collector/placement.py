@@ -205,7 +205,7 @@ class SamplerActor:
             rate_hz=s.achieved_rate_hz(),
             target_rate_hz=s.rate_hz,
             up=s.alive,
-            steps_joined=len(self.joiner.records),
+            steps_joined=self.joiner.joined,
             last_record=self.joiner.records[-1].to_dict() if self.joiner.records else None,
             remote_write=self.writer.stats() if self.writer is not None else {},
         )
@@ -317,7 +317,7 @@ class SamplerActor:
             "events_received": self.events_received,
             "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
             "steps_pending": self.joiner.pending,
-            "steps_joined": len(self.joiner.records),
+            "steps_joined": self.joiner.joined,
             "remote_write": self.writer.stats() if self.writer is not None else None,
         }
 

@@ -26,7 +26,7 @@ import bisect
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 1 << 20
 FIRST_PHASE = "forward_backward"
+RECORDS_KEPT = 20_000
 MAX_RATE = 0.0  # "max": sample back to back, as fast as NVML answers
 _NS = 1_000_000_000
 MAX_SLEEP_NS = 50_000_000
@@ -341,7 +342,9 @@ class StepJoiner:
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
-        self.records: list[StepRecord] = []
+        # The newest RECORDS_KEPT records (≈ 1.5 kB each); the run store drains them long before.
+        self.records: deque[StepRecord] = deque(maxlen=RECORDS_KEPT)
+        self.joined = 0
         self.rejected: Counter[str] = Counter()
         self._open: dict[int, tuple[StepEvent, list[StepEvent]]] = {}
         self._pending: list[tuple[StepEvent, StepEvent, list[StepEvent]]] = []
@@ -381,6 +384,7 @@ class StepJoiner:
             self._pending = waiting
         out = [self.join(b, e, ph) for b, e, ph in ready]
         self.records.extend(out)
+        self.joined += len(out)
         return out
 
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:

@@ -192,3 +192,16 @@ def test_lightning_adapter_gives_the_same_record_shape():
     # Lightning zeroes gradients at the next step's first backward: they are still held at the end
     assert probe.records[-1]["ledger"]["gradients"] == probe.records[-1]["ledger"]["parameters"]
     assert [e["phase"] for e in probe.outbox.events if e["kind"] == "phase"] == ["optimizer"] * 3
+
+
+def test_the_outbox_keeps_a_bounded_number_of_events(monkeypatch):
+    from collector.probe import core
+    from collector.records import StepEvent
+
+    monkeypatch.setattr(core, "EVENTS_KEPT", 10)
+    box = Outbox(None)
+    for i in range(25):
+        box.put(StepEvent(kind="begin", step=i, t_ns=1 + i, gpu_uuid="GPU-a"))
+    assert len(box.events) == 10 and box.dropped["events_not_kept"] == 15
+    taken = box.take_events()
+    assert [e["step"] for e in taken] == list(range(15, 25)) and len(box.events) == 0

@@ -212,3 +212,15 @@ def test_concurrent_reader_never_sees_torn_windows():
     finally:
         stop.set()
         t.join()
+
+
+def test_the_joiner_keeps_a_bounded_number_of_records():
+    from collector import sampler as sampler_module
+
+    j = joiner_with([(t * MS, 1) for t in range(100)])
+    j.records = sampler_module.deque(maxlen=5)
+    for s in range(1, 21):
+        j.add(ev("begin", s, s * MS))
+        j.add(ev("end", s, s * MS + MS // 2))
+    j.poll()
+    assert [r.step for r in j.records] == list(range(16, 21)) and j.joined == 20

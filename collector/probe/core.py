@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,8 @@ TORCH_KEYS = (
 )
 _PATHS = [(k, tuple(k.split("."))) for k in TORCH_KEYS]
 CPU = "cpu"
+EVENTS_KEPT = 200_000
+RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
 
 
@@ -181,7 +183,9 @@ class Outbox:
         self._resolve = resolve
         self.batch_max = batch_max
         self.flush_interval_s = flush_interval_s
-        self.events: list[dict[str, Any]] = []
+        # Every event until taken (take_events); at most EVENTS_KEPT are held, oldest dropped
+        # and counted, so a long run without a run store cannot grow the training process.
+        self.events: deque[dict[str, Any]] = deque()
         self.sent = 0
         self.dropped: Counter[str] = Counter()
         self._pending: dict[str, list[dict[str, Any]]] = {}
@@ -196,11 +200,21 @@ class Outbox:
     def put(self, ev: StepEvent) -> dict[str, Any]:
         d = ev.to_dict()
         with self._lock:
+            if len(self.events) >= EVENTS_KEPT:
+                self.events.popleft()
+                self.dropped["events_not_kept"] += 1
             self.events.append(d)
             self._pending.setdefault(ev.gpu_uuid, []).append(d)
             if self._file is not None:
                 self._unwritten.append(d)
         return d
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Every event kept so far, removed from the outbox (the run store calls this)."""
+        with self._lock:
+            out = list(self.events)
+            self.events.clear()
+        return out
 
     def maybe_flush(self) -> None:
         """Start the sender on first use; wake it early when a batch is full. Never blocks."""
@@ -302,7 +316,8 @@ class StepProbe:
         self.model: Any = None
         self.optimizer: Any = None
         self.step_index: int | None = None
-        self.records: list[dict[str, Any]] = []  # per step per device, for the caller / run store
+        # per step per device, for the caller: the newest RECORDS_KEPT
+        self.records: deque[dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
         self.errors: Counter[str] = Counter()
         self.cost_ns: list[int] = []  # probe time per step (begin+phases+end), all devices
         self._clock = clock
