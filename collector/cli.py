@@ -166,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
 
+    dm = sub.add_parser("daemon", help="samplers that stay on every GPU node across jobs")
+    dm.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS)")
+    dm.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
+    dm.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
+    dm.add_argument("--gpus", type=positive_int, help="simulated GPUs per node (replay)")
+    dm.add_argument("--rate", type=_rate, default=1000.0, help="sampling rate in Hz, or 'max'")
+    dm.add_argument(
+        "--rescan",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between scans for new nodes (default 30)",
+    )
+    dm.add_argument("--targets", type=Path, metavar="FILE", help="keep a file_sd file current")
+    dm.add_argument("--metrics-addr", metavar="ADDR", help="as for `stepmem run`")
+    dm.add_argument("--stop", action="store_true", help="remove every stepmem sampler and exit")
+
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
     rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
     rp.add_argument("--out", type=Path, help="also write the report text here")
@@ -282,6 +298,32 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_daemon(ns: argparse.Namespace) -> int:
+    import ray
+
+    from collector.daemon import run_daemon, stop_daemon
+    from collector.placement import BackendSpec, SamplerOptions
+
+    ray.init(address=ns.address or "auto", namespace="stepmem")
+    if ns.stop:
+        print(f"{stop_daemon()} samplers stopped")
+        return 0
+    spec = BackendSpec(
+        ns.backend,
+        captures=ns.captures or (["idle"] if ns.backend == "replay" else []),
+        gpus=ns.gpus,
+    )
+    options = SamplerOptions(
+        rate_hz=ns.rate, run_id="daemon", workload="daemon", metrics_addr=ns.metrics_addr
+    )
+    print(
+        f"stepmem daemon: {ns.backend} samplers on every GPU node, rescanning every "
+        f"{ns.rescan:g} s (Ctrl-C leaves them running; --stop removes them)"
+    )
+    run_daemon(spec, options, ns.rescan, ns.targets)
+    return 0
+
+
 def _cmd_report(ns: argparse.Namespace) -> int:
     from collector.report import load_run, render_report
 
@@ -389,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": _cmd_baseline,
             "dashboards": _cmd_dashboards,
             "report": _cmd_report,
+            "daemon": _cmd_daemon,
             "compare": _cmd_compare,
         }
         return handler[ns.command](ns)

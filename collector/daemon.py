@@ -1,0 +1,80 @@
+"""Daemon mode: samplers that outlive jobs.
+
+``stepmem daemon`` places detached sampler actors on every GPU node of a running cluster and
+rescans every ``--rescan`` seconds, so nodes that join later get theirs (placement is idempotent:
+an existing sampler is reused). Jobs' probes find them by name (``stepmem:<node>:<uuid>``) as
+they find job-owned samplers. With ``--targets`` it keeps a Prometheus ``file_sd`` file current.
+``stepmem daemon --stop`` removes every stepmem sampler from the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from collector.export.file_sd import write_targets
+from collector.placement import (
+    NAMESPACE,
+    BackendSpec,
+    PlacedSampler,
+    SamplerOptions,
+    launch_samplers,
+    list_samplers,
+)
+
+__all__ = ["run_daemon", "stop_daemon"]
+
+log = logging.getLogger(__name__)
+
+
+def scan(spec: BackendSpec, options: SamplerOptions, targets: Path | None) -> list[PlacedSampler]:
+    """One pass: a detached sampler on every GPU of every alive node; targets rewritten."""
+    placed = launch_samplers(spec, options, detached=True)
+    if targets is not None:
+        infos: list[dict[str, Any]] = []
+        for p in placed:
+            try:
+                infos.append(ray.get(p.handle.info.remote(), timeout=10))
+            except Exception:  # a sampler that does not answer is not a target
+                continue
+        write_targets(targets, infos)
+    return placed
+
+
+def run_daemon(
+    spec: BackendSpec,
+    options: SamplerOptions,
+    rescan_s: float = 30.0,
+    targets: Path | None = None,
+    duration_s: float | None = None,
+    echo=print,
+) -> int:
+    """Scan now and every ``rescan_s`` until interrupted (or for ``duration_s``). Returns the
+    number of samplers placed at the last scan. The samplers stay when this returns."""
+    deadline = None if duration_s is None else time.monotonic() + duration_s
+    known: set[str] = set()
+    placed: list[PlacedSampler] = []
+    while True:
+        placed = scan(spec, options, targets)
+        new = {p.name for p in placed} - known
+        for name in sorted(new):
+            echo(f"sampler {name}")
+        known |= new
+        if deadline is not None and time.monotonic() >= deadline:
+            return len(placed)
+        time.sleep(
+            rescan_s if deadline is None else min(rescan_s, max(0.0, deadline - time.monotonic()))
+        )
+
+
+def stop_daemon(echo=print) -> int:
+    """Kill every stepmem sampler in the cluster. Returns how many."""
+    names = list_samplers()
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        echo(f"stopped {name}")
+    return len(names)

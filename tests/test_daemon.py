@@ -1,0 +1,48 @@
+"""Daemon mode on a real local Ray cluster: detached samplers, idempotent rescans, found by a
+probe, removed by --stop."""
+
+import json
+
+import pytest
+import ray
+
+from collector.daemon import run_daemon, stop_daemon
+from collector.placement import BackendSpec, find_sampler, forget_samplers, list_samplers
+from tests.conftest import loopback
+
+pytestmark = pytest.mark.ray
+
+
+def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluster, tmp_path):
+    targets = tmp_path / "stepmem.json"
+    spec = BackendSpec("replay", captures=["idle"], gpus=2)
+    try:
+        n = run_daemon(
+            spec,
+            loopback(run_id="daemon"),
+            rescan_s=0.5,
+            targets=targets,
+            duration_s=1.5,
+            echo=lambda *a: None,
+        )
+        assert n == 2
+        names = list_samplers()
+        assert len(names) == 2
+        entries = json.loads(targets.read_text())
+        assert len(entries) == 2 and all(e["targets"][0].startswith("127.0.0.1:") for e in entries)
+        # a second daemon pass (another process, later) reuses them
+        assert (
+            run_daemon(
+                spec, loopback(run_id="daemon"), rescan_s=0.2, duration_s=0.2, echo=lambda *a: None
+            )
+            == 2
+        )
+        assert list_samplers() == names
+        uuid = entries[0]["labels"]["gpu_uuid"]
+        forget_samplers()
+        handle = find_sampler(uuid)  # what a job's probe does
+        assert handle is not None and ray.get(handle.info.remote())["gpu_uuid"] == uuid
+    finally:
+        stopped = stop_daemon(echo=lambda *a: None)
+        forget_samplers()
+    assert stopped == 2 and list_samplers() == []
