@@ -307,7 +307,16 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
         records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
         # Stop sampling, join what is pending and flush remote write on every sampler.
-        health = ray.get([p.handle.stop.remote() for p in placed], timeout=60)
+        # Samplers this job launched are stopped; ones it found running (a daemon's) go on.
+        health = ray.get(
+            [
+                p.handle.stop.remote()
+                if p.info.get("run_id") == options.run_id
+                else p.handle.health.remote()
+                for p in placed
+            ],
+            timeout=60,
+        )
         if drainer is not None:
             drainer.stop()
             drainer.drain(flush_steps=True)

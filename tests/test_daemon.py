@@ -46,3 +46,32 @@ def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluste
         stopped = stop_daemon(echo=lambda *a: None)
         forget_samplers()
     assert stopped == 2 and list_samplers() == []
+
+
+def test_a_job_uses_the_daemons_samplers_and_leaves_them_running(ray_cluster, tmp_path):
+    from collector.job import JobOptions, run_job
+
+    spec = BackendSpec("replay", captures=["adamw_8bit"], gpus=1)
+    try:
+        run_daemon(
+            spec, loopback(run_id="daemon"), rescan_s=0.2, duration_s=0.2, echo=lambda *a: None
+        )
+        (name,) = list_samplers()
+        records = run_job(
+            JobOptions(
+                captures=["adamw_8bit"],
+                gpus=1,
+                speed=4.0,
+                steps=2,
+                store=tmp_path / "runs",
+                metrics_addr="127.0.0.1",
+            ),
+            echo=lambda *a: None,
+        )
+        assert [r["step"] for r in records] == [1, 2]
+        handle = ray.get_actor(name, namespace="stepmem")
+        assert list_samplers() == [name]
+        assert ray.get(handle.health.remote())["alive"] is True  # still sampling
+    finally:
+        stop_daemon(echo=lambda *a: None)
+        forget_samplers()
