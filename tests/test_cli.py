@@ -155,7 +155,10 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
         # A loaded 2-core CI machine may delay the sampling thread past the 20 ms stall mark;
         # that is flagged, and the plateau peaks of this capture are still caught exactly.
         assert r["gap"] in ("", "stall")
-        assert r["nvml_peak_bytes"] == cap.max_in_force(begins[r["step"]], ends[r["step"]])
+        # At 4x speed a value the capture held for 1 ms lasts 0.25 ms and a 1 kHz sampler may
+        # step over it; exactness is shown in test_placement at speeds where it cannot.
+        expected = cap.max_in_force(begins[r["step"]], ends[r["step"]])
+        assert 0.99 * expected <= r["nvml_peak_bytes"] <= expected
     assert "memory per step" in res.stdout
     (run,) = (tmp_path / "runs").iterdir()
     store = RunStore(run)
