@@ -70,7 +70,7 @@ def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) ->
 
 
 @pytest.mark.parametrize(
-    ("capture", "steps", "speed"), [("spiky", 12, 0.25), ("adamw_8bit", 3, 0.5)]
+    ("capture", "steps", "speed"), [("spiky", 12, 0.125), ("adamw_8bit", 3, 0.5)]
 )
 def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, steps, speed):
     cap = Capture.load(resolve_capture(capture))
