@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=positive_int, help="stop after this many steps (replay)")
     r.add_argument(
         "--workload",
-        choices=("finetune", "spiky"),
+        choices=("finetune", "spiky", "patterns"),
         default="finetune",
         help="the workload to run on real GPUs (default finetune)",
     )
@@ -246,7 +246,7 @@ def _strip_dashes(args: list[str]) -> list[str]:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from collector.job import JobOptions, run_job
+    from collector.job import JobOptions, WorkloadFailed, run_job
 
     remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
@@ -286,7 +286,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         workload_label=ns.workload_label,
         store=None if ns.no_store else ns.store,
     )
-    run_job(opts)
+    try:
+        run_job(opts)
+    except WorkloadFailed as exc:
+        # The store, records and report are written; the job still fails, as training did.
+        print(f"stepmem: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

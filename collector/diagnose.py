@@ -6,13 +6,18 @@ in order:
 
 1. **Steady state** — the first step from which end-of-step torch reserved and NVML used change
    by less than ``STEADY_BYTES`` per step to the end of the run; if there is none, the run is
-   still growing: by how much per step, in which pool (allocated, reserved, NVML, non-torch).
+   still growing: by how much per step, in which pool. The pool named is the most specific one
+   that grows at least ``POOL_SHARE`` of the fastest rate, in the order torch allocated (live
+   tensors kept from step to step: a leak), torch reserved (the allocator's cache), outside the
+   allocator, NVML used. Rules 1, 2 and 4 read the steps that ended; a failed step is rule 6's.
 2. **Jumps before it** — every end-of-step *reserved* increase above ``JUMP_BYTES``. A jump is
    *explained by the peak* when the step's within-step allocated peak grew by about as much
    (within ``MATCH_FRACTION`` or ``MATCH_BYTES``): the allocator reserved the higher peak for good.
    The ledger then says which state appeared in the previous step (the largest ledger growth) and
-   the phase peaks say where the new peak falls. A jump the peak does not explain is attributed to
-   the allocator (new segments, inactive split blocks), not to new state.
+   the phase peaks say where the new peak falls. A jump that torch *allocated* at step end grew
+   by as much is memory kept alive past the step (a leak); consecutive ones are one finding.
+   A jump that neither explains is attributed to the allocator (new segments, inactive split
+   blocks), not to new state.
 3. **Memory outside the allocator** — non-torch memory at the end of the last step: managed
    (paged) optimizer state when the ledger holds it, otherwise the CUDA context and other
    libraries' allocations.
@@ -21,7 +26,8 @@ in order:
 5. **Transients** — steps whose NVML within-step peak exceeds their end-of-step reading by more
    than ``TRANSIENT_BYTES`` (and 5 %): memory that came and went inside the step.
 6. **Headroom and OOM** — the largest peak against the card's capacity; a step in which the
-   allocator counted an OOM, with the peak that preceded it.
+   allocator counted an OOM or that failed with ``OutOfMemoryError``, with its NVML peak, the
+   previous step's, and what the allocator held when it failed; a step that failed otherwise.
 """
 
 from __future__ import annotations
@@ -39,17 +45,22 @@ JUMP_BYTES = 256 * MIB
 MATCH_FRACTION = 0.15
 MATCH_BYTES = 128 * MIB
 TRANSIENT_BYTES = 256 * MIB
+POOL_SHARE = 0.8
 
 
 @dataclass
 class Finding:
-    rule: str  # steady_state | growing | jump | nontorch | cache | transient | headroom | oom
+    rule: str  # steady_state growing jump nontorch cache transient headroom oom failed empty
     text: str
     numbers: dict[str, Any] = field(default_factory=dict)
 
 
 def g(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
+def _size(n: float) -> str:
+    return g(n) if abs(n) >= GIB else f"{n / MIB:.0f} MiB"
 
 
 def _te(r: dict[str, Any], key: str) -> int | None:
@@ -69,6 +80,40 @@ def _peak_phase(r: dict[str, Any]) -> str | None:
     if not phases:
         return None
     return max(phases, key=lambda p: p["torch_allocated_peak_bytes"])["phase"]
+
+
+def _matches(growth: int, jump: int) -> bool:
+    """Whether ``growth`` accounts for a reserved ``jump`` (rule 2's tolerance)."""
+    return abs(jump - growth) <= max(MATCH_FRACTION * jump, MATCH_BYTES)
+
+
+def _flush_live(live: list[tuple[dict[str, Any], dict[str, Any], int]], out: list) -> None:
+    """One finding for a run of consecutive jumps that live tensors at step end account for."""
+    if not live:
+        return
+    first, last = live[0][0], live[-1][1]
+    total = sum(d for _, _, d in live)
+    each = (
+        f"by {g(total)}"
+        if len(live) == 1
+        else f"at each of {len(live)} steps, {g(total)} in all ({g(total / len(live))} a step)"
+    )
+    out.append(
+        Finding(
+            "jump",
+            f"Step {first['step']}→{last['step']}: torch reserved at step end grew {each}, and "
+            "torch allocated at step end grew as much: tensors that stay alive past the step "
+            "(kept references, a leak), not a higher transient peak.",
+            {
+                "from_step": first["step"],
+                "to_step": last["step"],
+                "reserved_jump": total,
+                "jumps": len(live),
+                "cause": "live",
+            },
+        )
+    )
+    live.clear()
 
 
 def _steady_from(recs: list[dict[str, Any]]) -> int | None:
@@ -105,6 +150,9 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
     if not recs:
         return [Finding("empty", "No complete step was recorded.")]
     has_torch = _te(recs[0], "reserved_bytes.all.current") is not None
+    every, recs = recs, [r for r in recs if not r.get("error")]  # steps that ended
+    if not recs:
+        recs = every
 
     # 1. steady state, or growth
     k = _steady_from(recs) if len(recs) >= 3 else None
@@ -133,34 +181,56 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 - (_te(recs[0], "reserved_bytes.all.current") or 0)
             )
             / n,
-            "NVML used": (recs[-1]["nvml_end_bytes"] - recs[0]["nvml_end_bytes"]) / n,
         }
         if has_torch:
             rates["outside the allocator"] = (
                 (_nontorch(recs[-1]) or 0) - (_nontorch(recs[0]) or 0)
             ) / n
-        pool = max(rates, key=lambda p: rates[p])
+        rates["NVML used"] = (recs[-1]["nvml_end_bytes"] - recs[0]["nvml_end_bytes"]) / n
+        fastest = max(rates.values())
+        pool = next(p for p in rates if rates[p] >= POOL_SHARE * fastest)
+        why = {
+            "torch allocated": "live tensors accumulate from step to step — something keeps "
+            "references to them (a leak)",
+            "torch reserved": "the allocator's cache grows while live tensors do not",
+            "outside the allocator": "memory outside torch's allocator grows (another "
+            "library, managed memory)",
+            "NVML used": "device memory grows",
+        }[pool]
         out.append(
             Finding(
                 "growing",
                 f"No steady state: end-of-step memory still grows at the last step; "
-                f"{pool} grows fastest, {rates[pool] / MIB:.0f} MiB a step on average "
-                f"over steps {recs[0]['step']}–{recs[-1]['step']}.",
+                f"{pool} grows {_size(rates[pool])} a step on average over steps "
+                f"{recs[0]['step']}–{recs[-1]['step']}: {why}.",
                 {"pool": pool, "bytes_per_step": rates[pool]},
             )
         )
 
     # 2. jumps in reserved, attributed
+    live: list[tuple[dict[str, Any], dict[str, Any], int]] = []  # a run of "live" jumps
     if has_torch:
         for prev, cur in itertools.pairwise(recs):
             d_res = (_te(cur, "reserved_bytes.all.current") or 0) - (
                 _te(prev, "reserved_bytes.all.current") or 0
             )
             if d_res <= JUMP_BYTES:
+                _flush_live(live, out)
                 continue
             d_peak = (cur.get("torch_allocated_peak_bytes") or 0) - (
                 prev.get("torch_allocated_peak_bytes") or 0
             )
+            d_alloc = (_te(cur, "allocated_bytes.all.current") or 0) - (
+                _te(prev, "allocated_bytes.all.current") or 0
+            )
+            if _matches(d_alloc, d_res):
+                # Live tensors at step end grew as much: memory kept past the step (a leak or
+                # a growing cache of the workload's own), not a higher transient peak.
+                if live and live[-1][1] is not prev:
+                    _flush_live(live, out)
+                live.append((prev, cur, d_res))
+                continue
+            _flush_live(live, out)
             text = (
                 f"Step {prev['step']}→{cur['step']}: torch reserved at step end grew by "
                 f"{g(d_res)}. "
@@ -171,7 +241,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 "reserved_jump": d_res,
                 "allocated_peak_growth": d_peak,
             }
-            if abs(d_res - d_peak) <= max(MATCH_FRACTION * d_res, MATCH_BYTES):
+            if _matches(d_peak, d_res):
                 text += (
                     f"The within-step allocated peak grew by {g(d_peak)} between the same "
                     "steps: the allocator reserved the higher peak and kept it."
@@ -203,12 +273,13 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 )
                 split = _te(cur, "inactive_split_bytes.all.current") or 0
                 text += (
-                    f"The within-step allocated peak grew by only {g(d_peak)}: the jump "
+                    f"The within-step allocated peak changed by only {g(d_peak)}: the jump "
                     f"comes from the allocator, not from new state ({seg:+d} segments, "
                     f"{g(split)} in inactive split blocks at step end)."
                 )
                 nums["cause"] = "allocator"
             out.append(Finding("jump", text, nums))
+        _flush_live(live, out)
 
     last = recs[-1]
     # 3. memory outside the allocator
@@ -263,6 +334,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         )
     # 5. transients
+    recs = every
     spikes = [
         r
         for r in recs
@@ -298,17 +370,41 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 {"peak": top["nvml_peak_bytes"], "total": total_bytes},
             )
         )
-    prev_ooms = 0
+    prev_ooms, prev = 0, None
     for r in recs:
         ooms = _te(r, "num_ooms") or 0
-        if ooms > prev_ooms:
+        error = r.get("error") or ""
+        if ooms > prev_ooms or "OutOfMemory" in error:
+            text = (
+                f"Step {r['step']} hit a CUDA out-of-memory error"
+                + (" and failed" if error else "")
+                + f"; the NVML peak inside it reached {g(r['nvml_peak_bytes'])}"
+            )
+            if total_bytes:
+                text += f" of the card's {g(total_bytes)}"
+            nums = {"step": r["step"], "peak": r["nvml_peak_bytes"], "failed": bool(error)}
+            if prev is not None:
+                text += (
+                    f"; step {prev['step']} before it peaked at {g(prev['nvml_peak_bytes'])} "
+                    f"and ended at {g(prev['nvml_end_bytes'])}"
+                )
+                nums["previous_peak"] = prev["nvml_peak_bytes"]
+            alloc = _te(r, "allocated_bytes.all.current")
+            if alloc is not None:
+                text += (
+                    f"; torch held {g(alloc)} allocated and its within-step allocated peak "
+                    f"was {g(r.get('torch_allocated_peak_bytes') or 0)} when it failed"
+                )
+                nums["allocated_at_failure"] = alloc
+            out.append(Finding("oom", text + ".", nums))
+        elif error:
             out.append(
                 Finding(
-                    "oom",
-                    f"Step {r['step']} hit a CUDA out-of-memory error; the NVML peak "
-                    f"inside it reached {g(r['nvml_peak_bytes'])}.",
-                    {"step": r["step"], "peak": r["nvml_peak_bytes"]},
+                    "failed",
+                    f"Step {r['step']} failed with {error}; its NVML peak was "
+                    f"{g(r['nvml_peak_bytes'])}.",
+                    {"step": r["step"], "error": error, "peak": r["nvml_peak_bytes"]},
                 )
             )
-        prev_ooms = ooms
+        prev_ooms, prev = ooms, r
     return out

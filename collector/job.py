@@ -32,12 +32,23 @@ from collector.records import StepEvent, StepRecord
 from collector.replay import Capture, resolve_capture
 from collector.store import RunWriter
 
-__all__ = ["JobOptions", "run_job"]
+__all__ = ["JobOptions", "WorkloadFailed", "run_job"]
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 REPLAY_LEAD_S = 0.5  # lead between aligning replayed GPUs and the first replayed step
+
+
+class WorkloadFailed(RuntimeError):
+    """The workload raised (a CUDA OOM, a bug in the training script). The run store, the step
+    records and the report were written first; the failed step's record has ``error`` set."""
+
+    def __init__(self, exc: BaseException, step: int | None) -> None:
+        where = f" at step {step}" if step is not None else ""
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        super().__init__(f"the workload failed{where}: {type(exc).__name__}: {first}")
+        self.step = step
 
 
 @dataclass
@@ -218,21 +229,33 @@ def _replay_events(
     return done
 
 
+WORKLOADS = ("finetune", "spiky", "patterns")
+
+
+def workload_module(name: str) -> Any:
+    """The module of a built-in workload; ``ValueError`` for an unknown name."""
+    import importlib
+
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+    return importlib.import_module(f"workloads.{name}")
+
+
 def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
     from collector.probe.core import StepProbe
 
     probe = StepProbe(outbox=outbox)
-    if opts.workload == "finetune":
-        from workloads import finetune as wl
-    elif opts.workload == "spiky":
-        from workloads import spiky as wl
-    else:
-        raise ValueError(f"unknown workload {opts.workload!r} (finetune, spiky)")
+    wl = workload_module(opts.workload)
     args = wl.parser().parse_args(opts.workload_args)
-    if opts.workload == "finetune":
+    if hasattr(wl, "defaults"):
         args = wl.defaults(args)
-    summary = wl.run(args, probe)
-    probe.close()
+    try:
+        summary = wl.run(args, probe)
+    except BaseException as exc:
+        probe.fail(exc)  # a step the workload left open (the HF callback's) ends as failed
+        raise
+    finally:
+        probe.close()
     summary["probe_cost_ns"] = probe.cost_ns
     summary["probe_devices"] = [str(d) for d in probe.devices]
     summary["probe_dropped"] = dict(probe.outbox.dropped)
@@ -280,6 +303,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         echo(f"run store: {writer.root}")
     summary: dict[str, Any] = {}
     status = "failed"
+    error: BaseException | None = None
     try:
         if replay:
             # Align playback now that every sampler runs: the first recorded step starts in
@@ -299,6 +323,12 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     except KeyboardInterrupt:
         status = "interrupted"
         raise
+    except Exception as exc:
+        if replay:
+            raise
+        # The workload died (e.g. a CUDA OOM): keep everything, report it, then fail the job.
+        error = exc
+        echo(f"workload {opts.workload} failed: {type(exc).__name__}")
     finally:
         outbox.close()
         time.sleep(0.1)
@@ -326,6 +356,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
                 samples_lost=drainer.samples_lost,
                 samplers_unreachable=drainer.unreachable,
                 workload_summary=summary,
+                error=None if error is None else f"{type(error).__name__}: {error}"[:2000],
             )
         if refresher is not None:
             refresher.stop()
@@ -344,8 +375,13 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             "health": health,
             "workload": summary,
         }
+        if error is not None:
+            doc["error"] = f"{type(error).__name__}: {error}"[:2000]
         opts.out.write_text(json.dumps(doc, indent=1))
         echo(f"step records written to {opts.out}")
+    if error is not None:
+        failed = [r["step"] for r in records if r.get("error")]
+        raise WorkloadFailed(error, min(failed) if failed else None) from error
     return records
 
 

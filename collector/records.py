@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "ERROR_PREFIX",
     "STEP_EVENT_KINDS",
     "DeviceInfo",
     "MemoryInfo",
@@ -52,6 +53,7 @@ class DeviceInfo:
 
 
 STEP_EVENT_KINDS = ("begin", "phase", "end")
+ERROR_PREFIX = "error:"  # an ``end`` event whose phase starts so ends a step that raised
 
 
 @dataclass
@@ -132,7 +134,8 @@ class StepRecord:
     restart), ``"overrun"`` (the ring buffer no longer holds the start of the window) or
     ``"stall"`` (two consecutive samples further apart than the sampler's gap threshold).
     ``torch_*_peak_bytes`` are the allocator's peaks over the whole step (the largest of the peaks
-    each phase mark carried); None when the probe had no allocator statistics.
+    each phase mark carried); None when the probe had no allocator statistics. ``error`` names the
+    exception a failed step raised (``OutOfMemoryError``), ``""`` for a step that ended.
     """
 
     gpu_uuid: str
@@ -152,6 +155,7 @@ class StepRecord:
     torch_end: dict[str, int] = field(default_factory=dict)
     phases: list[dict[str, Any]] = field(default_factory=list)
     ledger: dict[str, int] = field(default_factory=dict)
+    error: str = ""
 
     @property
     def duration_s(self) -> float:

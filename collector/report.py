@@ -22,6 +22,7 @@ class Run:
     def __init__(self, name: str, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:
         self.name = name
         self.meta = meta
+        self.root: Path | None = None  # the run directory, when read from the run store
         samplers = sorted(meta.get("samplers", []), key=lambda s: (s["node_id"], s["index"]))
         self.gpus = [s["gpu_uuid"] for s in samplers] or sorted({r["gpu_uuid"] for r in records})
         self.totals = {s["gpu_uuid"]: s["total_bytes"] for s in samplers}
@@ -56,7 +57,9 @@ def load_run(path: str | Path) -> Run:
         store = RunStore(path)
         steps = store.steps()
         records = [] if steps is None else [_unflatten(r) for r in steps.to_dict("records")]
-        return Run(path.name, store.meta, records)
+        run = Run(path.name, store.meta, records)
+        run.root = path
+        return run
     if not path.is_file():
         raise ValueError(f"{path} is neither a run directory nor a records file")
     try:
@@ -118,14 +121,46 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
                 c(led.get("gradients")),
                 c(led.get("optimizer_state")),
                 c(led.get("optimizer_state_managed")),
-                r.get("gap") or "",
+                " ".join(x for x in (r.get("gap"), r.get("error") and "FAILED") if x),
             )
         console.print(table)
         findings[uuid] = diagnose(recs, run.totals.get(uuid))
         console.print("[bold]Diagnosis[/bold]")
         for f in findings[uuid]:
             console.print(f" • {f.text}")
+            if f.rule == "oom" and run.root is not None:
+                lead = _lead_up(run.root, uuid, recs, f.numbers["step"])
+                if lead:
+                    console.print(f"   {lead}")
     return console.export_text(), findings
+
+
+def _lead_up(root: Path, uuid: str, recs: list[dict[str, Any]], step: int, n: int = 10) -> str:
+    """The NVML samples leading to a failed step's end, from the run store: ``n`` readings
+    evenly spaced over the last second before it (the steps before included)."""
+    from collector.store import RunStore
+
+    rec = next((r for r in recs if r["step"] == step), None)
+    try:
+        samples = RunStore(root).samples(uuid)
+    except (OSError, ValueError):
+        return ""
+    if rec is None or samples is None or not len(samples):
+        return ""
+    end = int(rec["end_ns"])
+    start = end - 1_000_000_000
+    w = samples[(samples["t_ns"] >= start) & (samples["t_ns"] <= end)]
+    if not len(w):
+        return ""
+    idx = sorted({round(i * (len(w) - 1) / (n - 1)) for i in range(n)})
+    parts = [
+        f"{(int(w['t_ns'].iloc[i]) - end) / 1e6:.0f} ms: {w['used'].iloc[i] / (1 << 30):.2f}"
+        for i in idx
+    ]
+    return (
+        f"NVML used (GiB) in the second before step {step} failed ({len(w)} samples): "
+        + ", ".join(parts)
+    )
 
 
 METRICS = {

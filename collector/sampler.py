@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from collector.nvml import NvmlError, NvmlGpuLost
-from collector.records import StepEvent, StepRecord
+from collector.records import ERROR_PREFIX, StepEvent, StepRecord
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -332,6 +332,11 @@ def _step_peak(key: str, marks: list[StepEvent], end: StepEvent) -> int | None:
     return max(values) if values else None
 
 
+def _error_of(end: StepEvent) -> str:
+    """The exception a failed step raised, from its end event (``""`` for a step that ended)."""
+    return end.phase.removeprefix(ERROR_PREFIX) if end.phase.startswith(ERROR_PREFIX) else ""
+
+
 class StepJoiner:
     """Pairs step events into windows and joins them with a sampler's ring into StepRecords.
 
@@ -428,6 +433,7 @@ class StepJoiner:
             torch_end=dict(end.torch),
             phases=self._phases(begin, end, phases),
             ledger=dict(end.ledger),
+            error=_error_of(end),
         )
 
     def _phases(self, begin: StepEvent, end: StepEvent, marks: list[StepEvent]) -> list[dict]:

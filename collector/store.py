@@ -11,7 +11,7 @@ Layout of a run directory (``runs/<run_id>/`` by default)::
 
 Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keeps each sampler's
 ``wall_offset_ns`` (wall = monotonic + offset). Step columns: ``gpu_uuid, step, begin_ns,
-end_ns, samples, gap, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
+end_ns, samples, gap, error, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
 nvml_reserved_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``, every
 ``torch_end.<key>`` and ``ledger.<kind>`` flattened, and ``phases`` (JSON).
 
@@ -70,6 +70,7 @@ def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
             "end_ns",
             "samples",
             "gap",
+            "error",
             "nvml_peak_bytes",
             "nvml_peak_t_ns",
             "nvml_min_bytes",

@@ -205,3 +205,43 @@ def test_the_outbox_keeps_a_bounded_number_of_events(monkeypatch):
     assert len(box.events) == 10 and box.dropped["events_not_kept"] == 15
     taken = box.take_events()
     assert [e["step"] for e in taken] == list(range(15, 25)) and len(box.events) == 0
+
+
+def test_a_step_that_raises_is_recorded_as_failed_and_the_error_goes_on():
+    probe = StepProbe(outbox=Outbox(None))
+    with pytest.raises(MemoryError), probe.step(1):
+        raise MemoryError("out of memory")
+    (end,) = [e for e in probe.outbox.events if e["kind"] == "end"]
+    assert end["step"] == 1 and end["phase"] == "error:MemoryError"
+    assert probe.step_index is None
+    probe.fail(RuntimeError("outside a step"))  # nothing open: nothing recorded
+    assert sum(e["kind"] == "end" for e in probe.outbox.events) == 1
+
+
+def test_a_workload_that_dies_fails_the_job_with_the_step_named():
+    from collector.job import JobOptions, _run_live
+
+    ob = Outbox(lambda uuid: None, flush_interval_s=0.01)
+    opts = JobOptions(
+        workload="patterns",
+        workload_args=["--pattern", "leak", "--steps", "4", "--leak-mib", "1", "--base-mib", "4"],
+    )
+    real, leaks = torch.empty, []
+
+    def empty(*a, **kw):  # the third step's leak allocation fails, as a CUDA OOM would
+        if a == ((1 << 20) // 4,):
+            leaks.append(1)
+            if len(leaks) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", empty)
+        with pytest.raises(torch.OutOfMemoryError):
+            _run_live(opts, ob, lambda *_: None)
+    ends = [e for e in ob.events if e["kind"] == "end"]
+    assert [(e["step"], e["phase"]) for e in ends] == [
+        (1, ""),
+        (2, ""),
+        (3, "error:OutOfMemoryError"),
+    ]

@@ -224,3 +224,15 @@ def test_the_joiner_keeps_a_bounded_number_of_records():
         j.add(ev("end", s, s * MS + MS // 2))
     j.poll()
     assert [r.step for r in j.records] == list(range(16, 21)) and j.joined == 20
+
+
+def test_a_failed_step_keeps_its_record_with_the_error():
+    j = joiner_with([(t * MS, 10) for t in range(1, 40)])
+    j.add(ev("begin", 3, 5 * MS))
+    j.add(ev("end", 3, 20 * MS, phase="error:OutOfMemoryError", num_ooms=1))
+    (rec,) = j.poll()
+    assert rec.error == "OutOfMemoryError" and rec.torch_end["num_ooms"] == 1
+    j.add(ev("begin", 4, 21 * MS))
+    j.add(ev("end", 4, 30 * MS))
+    (ok,) = j.poll()
+    assert ok.error == ""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from collector.records import StepEvent
+from collector.records import ERROR_PREFIX, StepEvent
 
 __all__ = ["TORCH_KEYS", "LedgerCache", "Outbox", "StepProbe", "cuda_uuid", "ledger"]
 
@@ -223,6 +223,19 @@ class Outbox:
             self._thread.start()
         if any(len(v) >= self.batch_max for v in self._pending.values()):
             self._wake.set()
+
+    def drain(self, timeout_s: float = 2.0) -> bool:
+        """Wake the sender and wait up to ``timeout_s`` for everything pending to be sent (a
+        failing step's last events, before the process dies). True when nothing is pending."""
+        self.maybe_flush()
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
 
     def _run(self) -> None:
         while not self._closed:
@@ -476,15 +489,29 @@ class StepProbe:
         self.outbox.maybe_flush()
         self.cost_ns.append(self._step_cost + time.perf_counter_ns() - t0)
 
+    def fail(self, exc: BaseException | None = None) -> None:
+        """End the current step as failed (the training step raised ``exc``, e.g. a CUDA OOM):
+        its record is kept with the allocator's figures at the failure and ``error`` naming the
+        exception, and everything batched is sent at once, before the process dies. Does
+        nothing outside a step."""
+        if self.step_index is None:
+            return
+        name = type(exc).__name__ if exc is not None else "error"
+        self._mark("end", self.step_index, f"{ERROR_PREFIX}{name}")
+        self.step_index = None
+        self.outbox.drain()
+
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[StepProbe]:
-        """``with probe.step(i): ...`` — begin, run the body, end (also when the body raises:
-        an OOM step is recorded, then the exception goes on)."""
+        """``with probe.step(i): ...`` — begin, run the body, end (when the body raises, e.g.
+        an OOM, the step is recorded as failed and the exception goes on)."""
         self.begin(step)
         try:
             yield self
-        finally:
-            self.end()
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        self.end()
 
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""

@@ -1,0 +1,158 @@
+"""Workloads that each show one memory pattern the report must name, by a known amount.
+
+* ``leak`` — every step keeps ``--leak-mib`` of its output alive (a list that is never cleared,
+  the classic "appended the loss tensor" bug): torch allocated, reserved and NVML grow by that
+  much every step; there is no steady state.
+* ``allocator`` — the live working set is the same size every step, but it comes in blocks
+  that grow for ``--grow-steps`` steps (``--block-mib`` × 1, 1.5, 2, …): the cached blocks of
+  the previous step are too small for the new ones, so the allocator reserves new segments
+  each time. Reserved jumps while the within-step allocated peak stays flat; then the block size
+  stays and so does memory.
+* ``oom`` — a leak of ``--leak-mib`` a step (default 12 GiB) that runs until the card is full:
+  the step that cannot allocate dies of ``torch.cuda.OutOfMemoryError`` (re-raised, as a training
+  job would die).
+
+Each step does a little matrix work on a resident ``--base-mib`` working set and lasts at least
+``--step-ms``, so a 1 kHz sampler sees every step.
+
+    python -m workloads.patterns --pattern leak --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+PATTERNS = ("leak", "allocator", "oom")
+
+
+def _block_bytes(args: argparse.Namespace, step: int) -> int:
+    """The ``allocator`` pattern's block size at ``step`` (1-based): grows by half the first
+    block each step for ``grow_steps`` steps, then stays."""
+    k = min(step, args.grow_steps + 1) - 1
+    return int(args.block_mib * MIB * (1 + 0.5 * k))
+
+
+def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    if args.pattern == "oom" and not cuda:
+        raise RuntimeError("the oom pattern needs a GPU (it fills the card until it fails)")
+    base = torch.randn(args.base_mib * MIB // 4, device=dev)
+    w = torch.randn(1024, 1024, device=dev)
+    out = torch.empty(1024, 1024, device=dev)
+    kept: list[Any] = []
+    times: list[float] = []
+    plan: list[dict[str, Any]] = []
+    steps = args.steps if args.pattern != "oom" else max(args.steps, 10_000)
+    for i in range(1, steps + 1):
+        t0 = time.perf_counter()
+        if probe is not None:
+            probe.begin(i)
+        try:
+            torch.matmul(base[: 1024 * 1024].view(1024, 1024), w, out=out)
+            entry: dict[str, Any] = {"step": i}
+            if args.pattern in ("leak", "oom"):
+                t = torch.empty(args.leak_mib * MIB // 4, device=dev)
+                t.fill_(1.0)
+                kept.append(t)  # never freed: the leak
+                entry["kept_bytes"] = len(kept) * args.leak_mib * MIB
+            else:
+                size = _block_bytes(args, i)
+                n = max(1, (args.working_mib * MIB) // size)
+                blocks = [torch.empty(size // 4, device=dev) for _ in range(n)]
+                for b in blocks:
+                    b.fill_(1.0)
+                entry.update(block_bytes=size, blocks=n)
+                del blocks, b  # freed to the allocator's cache, not to the driver
+            if cuda:
+                torch.cuda.synchronize()
+            rest = args.step_ms / 1000 - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+        except BaseException as exc:
+            if probe is not None:
+                probe.fail(exc)
+            plan.append({"step": i, "failed": type(exc).__name__})
+            raise
+        if probe is not None:
+            probe.end()
+        times.append(time.perf_counter() - t0)
+        plan.append(entry)
+        if args.pause_ms:
+            time.sleep(args.pause_ms / 1000)
+    return {
+        "workload": f"patterns:{args.pattern}",
+        "pattern": args.pattern,
+        "steps": len(times),
+        "plan": plan,
+        "step_times_s": times,
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="patterns", description=__doc__.splitlines()[0])
+    p.add_argument("--pattern", choices=PATTERNS, required=True)
+    p.add_argument("--steps", type=int, default=20, help="steps (oom: runs until it fails)")
+    p.add_argument("--leak-mib", type=int, default=None, help="kept per step (leak, oom)")
+    p.add_argument("--block-mib", type=int, default=256, help="first block size (allocator)")
+    p.add_argument("--working-mib", type=int, default=4096, help="live blocks a step (allocator)")
+    p.add_argument("--grow-steps", type=int, default=3, help="steps whose blocks grow (allocator)")
+    p.add_argument("--base-mib", type=int, default=1024, help="resident working set (MiB)")
+    p.add_argument("--step-ms", type=float, default=100.0, help="shortest step (ms)")
+    p.add_argument("--pause-ms", type=float, default=10.0, help="idle time between steps")
+    p.add_argument("--no-probe", action="store_true")
+    p.add_argument("--summary", type=Path)
+    return p
+
+
+def defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill pattern-dependent defaults; ``ValueError`` names a bad value."""
+    if args.leak_mib is None:
+        args.leak_mib = 12 * 1024 if args.pattern == "oom" else 256
+    for name in ("steps", "leak_mib", "block_mib", "working_mib"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.base_mib < 4:
+        raise ValueError("--base-mib must be >= 4 (the step's matrix work reads 4 MiB of it)")
+    if args.grow_steps < 0 or args.step_ms < 0 or args.pause_ms < 0:
+        raise ValueError("--grow-steps, --step-ms and --pause-ms must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    p = parser()
+    try:
+        args = defaults(p.parse_args(argv))
+    except ValueError as exc:
+        p.error(str(exc))
+    from collector.probe.core import StepProbe
+
+    probe = None if args.no_probe else StepProbe()
+    try:
+        summary = run(args, probe)
+    except RuntimeError as exc:
+        if "needs a GPU" not in str(exc):
+            raise
+        p.error(str(exc))
+    if probe is not None:
+        probe.close()
+        summary["probe_cost_ns"] = probe.cost_ns
+    text = json.dumps(summary, indent=1)
+    if args.summary:
+        args.summary.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
