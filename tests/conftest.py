@@ -10,6 +10,9 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Single-machine Ray on loopback: without this, Ray swaps 127.0.0.1 for the machine's outward
+# address (its "remotely reachable" IP) and its agents listen and are reached there.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> None:

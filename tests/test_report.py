@@ -13,6 +13,9 @@ from collector.diagnose import GIB, diagnose
 from collector.report import compare, load_run, render_report
 
 H200 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h200-run2"
+# Run stores written by `ray job submit ... python -m collector.job` on the H200
+# (benchmarks/device/h200_jobs.sh): the 7B adamw_8bit finetune and the `patterns` workloads.
+JOBS = H200.parent / "h200-jobs" / "runs"
 
 
 def findings(name):
@@ -54,6 +57,80 @@ def test_paged_state_is_outside_torch_and_inside_nvml():
     assert nt.numbers["nontorch"] / GIB == pytest.approx(13.52, abs=0.01)
     assert "managed (paged) optimizer state accounts for 13.28 GiB" in nt.text
     assert "jump" not in f
+
+
+def store_findings(name):
+    run = load_run(JOBS / name)
+    (uuid,) = run.gpus
+    return diagnose(run.by_gpu[uuid], run.totals[uuid]), run
+
+
+def test_the_7b_run_under_ray_job_submit_shows_the_same_step_2_jump():
+    fs, run = store_findings("h200-7b-adamw")
+    (first, second) = [f for f in fs if f.rule == "jump"]
+    assert (first.numbers["to_step"], first.numbers["cause"]) == (2, "peak")
+    assert first.numbers["reserved_jump"] / GIB == pytest.approx(12.65, abs=0.01)
+    assert first.numbers["new_state_bytes"] / GIB == pytest.approx(13.48, abs=0.01)
+    assert second.numbers["cause"] == "allocator"
+    assert run.meta["status"] == "complete" and len(run.by_gpu[run.gpus[0]]) == 6
+
+
+def test_a_recorded_leak_is_named_as_live_tensors_growing():
+    fs, _ = store_findings("h200-leak")
+    f = {x.rule: x for x in fs}
+    assert "steady_state" not in f and "jump" not in f  # 256 MiB a step: growth, not jumps
+    grow = f["growing"]
+    assert grow.numbers["pool"] == "torch allocated"
+    assert grow.numbers["bytes_per_step"] / (1 << 20) == pytest.approx(256, rel=0.01)
+    assert "a leak" in grow.text
+
+
+def test_a_recorded_allocator_jump_is_not_taken_for_new_state():
+    fs, _ = store_findings("h200-allocator")
+    jumps = [x for x in fs if x.rule == "jump"]
+    # blocks of 256 -> 384 -> 512 -> 640 MiB, ~4 GiB live each step: new segments each time
+    assert [(j.numbers["to_step"], j.numbers["cause"]) for j in jumps] == [
+        (2, "allocator"),
+        (3, "allocator"),
+        (4, "allocator"),
+    ]
+    for j in jumps:
+        assert j.numbers["reserved_jump"] / GIB == pytest.approx(3.9, abs=0.2)
+        assert abs(j.numbers["allocated_peak_growth"]) / GIB <= 0.26
+        assert "not from new state" in j.text
+    assert [x.numbers["step"] for x in fs if x.rule == "steady_state"] == [4]
+    assert not [x for x in fs if x.rule in ("growing", "transient", "oom")]
+
+
+def test_a_recorded_oom_names_the_step_and_the_peak_before_it():
+    fs, run = store_findings("h200-oom")
+    (oom,) = [x for x in fs if x.rule == "oom"]
+    n = oom.numbers
+    assert n["step"] == 12 and n["failed"]
+    assert n["peak"] / GIB == pytest.approx(133.72, abs=0.01)
+    assert n["previous_peak"] / GIB == pytest.approx(133.72, abs=0.01)
+    assert n["allocated_at_failure"] / GIB == pytest.approx(133.04, abs=0.01)
+    # the leak that led there: one finding for the 10 steps of kept tensors
+    (live,) = [x for x in fs if x.rule == "jump"]
+    assert (live.numbers["cause"], live.numbers["jumps"]) == ("live", 10)
+    assert [x.numbers["pool"] for x in fs if x.rule == "growing"] == ["torch allocated"]
+    assert run.meta["status"] == "failed" and "OutOfMemoryError" in run.meta["error"]
+    recs = run.by_gpu[run.gpus[0]]
+    assert [r["step"] for r in recs if r.get("error")] == [12]
+
+
+def test_the_report_of_the_oom_run_shows_the_samples_leading_to_it():
+    out = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "report", str(JOBS / "h200-oom")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "Step 12 hit a CUDA out-of-memory error and failed" in text
+    assert "in the second before step 12 failed (1000 samples)" in text
+    assert "FAILED" in text
 
 
 def test_spiky_transients_are_named():
