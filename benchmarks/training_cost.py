@@ -5,7 +5,9 @@ autocast, gradient checkpointing, seq 4096, batch 1, gradient accumulation 2, bi
 ``adamw_8bit``). After warm-up steps, blocks of ``--block`` steps run in turn in three modes —
 ``off`` (no sampler actor, no probe), ``1 kHz`` and ``max`` (a sampler actor at that rate on the
 GPU plus the probe with its phase mark and ledger) — repeated ``--reps`` times, interleaved so
-drift hits every mode alike. Step time is host wall time with a CUDA synchronize at step end.
+drift hits every mode alike, the order rotated each repetition so no mode always follows
+another. Step time is host wall time with a CUDA synchronize at step end. The slowdown is the
+ratio of medians; its 95 % interval comes from resampling each mode's steps (bootstrap).
 
     python benchmarks/training_cost.py --out training_cost.json
 """
@@ -17,6 +19,7 @@ import json
 import statistics
 import time
 
+import numpy as np
 import ray
 import torch
 
@@ -70,8 +73,10 @@ def main() -> None:
         train_step(None)
     train_step(probe)  # the probe's one-time set-up (devices, baseline, full ledger) stays out
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(a.reps):
-        for mode, rate in MODES.items():
+    names = list(MODES)
+    for r in range(a.reps):
+        for mode in names[r % 3 :] + names[: r % 3]:
+            rate = MODES[mode]
             handle = None
             if rate is not None:
                 (p,) = launch_samplers(
@@ -87,6 +92,17 @@ def main() -> None:
                 time.sleep(0.5)
     probe.close()
     med = {m: statistics.median(v) for m, v in times.items()}
+    rng = np.random.default_rng(0)
+
+    def ci95(mode: str) -> list[float]:
+        """Bootstrap 95 % interval of median(mode) / median(off) - 1."""
+        on, off = np.array(times[mode]), np.array(times["off"])
+        r = [
+            np.median(rng.choice(on, len(on))) / np.median(rng.choice(off, len(off))) - 1
+            for _ in range(2000)
+        ]
+        return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+
     result = {
         "step_times_s": times,
         "median_s": med,
@@ -94,13 +110,18 @@ def main() -> None:
         "probe_sent": probe.outbox.sent,
         "slowdown_1khz": med["1 kHz"] / med["off"] - 1,
         "slowdown_max": med["max"] / med["off"] - 1,
+        "slowdown_1khz_ci95": ci95("1 kHz"),
+        "slowdown_max_ci95": ci95("max"),
         "spread_off": (max(times["off"]) - min(times["off"])) / med["off"],
     }
     for m in MODES:
         print(f"{m:>6}: median step {med[m]:.4f} s over {len(times[m])} steps", flush=True)
+    lo1, hi1 = (100 * x for x in result["slowdown_1khz_ci95"])
+    lom, him = (100 * x for x in result["slowdown_max_ci95"])
     print(
         f"slowdown at 1 kHz {100 * result['slowdown_1khz']:+.2f} %, at max "
-        f"{100 * result['slowdown_max']:+.2f} % "
+        f"{100 * result['slowdown_max']:+.2f} % (95 % intervals {lo1:+.2f}..{hi1:+.2f} and "
+        f"{lom:+.2f}..{him:+.2f} %) "
         f"(off-mode spread {100 * result['spread_off']:.2f} %)"
     )
     with open(a.out, "w") as f:
