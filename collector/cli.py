@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="finetune",
         help="the workload to run on real GPUs (default finetune)",
     )
+    r.add_argument(
+        "--train-workers",
+        type=positive_int,
+        default=0,
+        metavar="N",
+        help="run the workload in a Ray Train TorchTrainer with N workers, one GPU each "
+        "(live backend; default: in this process, on every GPU it sees)",
+    )
     r.add_argument("--out", type=Path, help="write step records (JSON) here")
     r.add_argument(
         "--address",
@@ -134,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=_port,
         default=0,
-        help="port for /metrics (default 0: the OS picks one per sampler)",
+        help="port for /metrics (default 0: the OS picks one per sampler); N: the sampler of "
+        "GPU i serves on N+i (fixed ports, e.g. for a Kubernetes PodMonitor)",
     )
     r.add_argument(
         "--window",
@@ -180,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dm.add_argument("--targets", type=Path, metavar="FILE", help="keep a file_sd file current")
     dm.add_argument("--metrics-addr", metavar="ADDR", help="as for `stepmem run`")
+    dm.add_argument("--metrics-port", type=_port, default=0, help="as for `stepmem run`")
     dm.add_argument("--stop", action="store_true", help="remove every stepmem sampler and exit")
 
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
@@ -284,6 +294,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         window_s=ns.window,
         run_id=ns.run_id,
         workload_label=ns.workload_label,
+        train_workers=ns.train_workers,
         store=None if ns.no_store else ns.store,
     )
     try:
@@ -319,7 +330,11 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
         gpus=ns.gpus,
     )
     options = SamplerOptions(
-        rate_hz=ns.rate, run_id="daemon", workload="daemon", metrics_addr=ns.metrics_addr
+        rate_hz=ns.rate,
+        run_id="daemon",
+        workload="daemon",
+        metrics_addr=ns.metrics_addr,
+        metrics_port=ns.metrics_port,
     )
     print(
         f"stepmem daemon: {ns.backend} samplers on every GPU node, rescanning every "

@@ -72,6 +72,7 @@ class JobOptions:
     run_id: str = ""
     store: Path | None = Path("runs")  # run store root; None: no store
     workload_label: str = ""  # the `workload` label; default: the workload or the captures
+    train_workers: int = 0  # >0: run the workload in a Ray Train TorchTrainer with N workers
 
 
 def nvml_available() -> bool:
@@ -241,6 +242,105 @@ def workload_module(name: str) -> Any:
     return importlib.import_module(f"workloads.{name}")
 
 
+@ray.remote(num_cpus=0)
+class _Summaries:
+    """Where Ray Train workers leave their summaries for the driver (Ray Train 2 keeps reported
+    metrics only with checkpoints, which would need storage shared by every node)."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, dict[str, Any]] = {}
+
+    def put(self, rank: int, summary: dict[str, Any]) -> None:
+        self.by_rank[rank] = summary
+
+    def get(self) -> dict[int, dict[str, Any]]:
+        return self.by_rank
+
+
+def _train_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: the workload under its own probe, which finds this node's sampler
+    for the worker's GPU by name. Leaves its step count and step times for the driver."""
+    import ray.train
+
+    from collector.probe.core import StepProbe
+
+    wl = workload_module(config["workload"])
+    args = wl.parser().parse_args(config["args"])
+    if hasattr(wl, "defaults"):
+        args = wl.defaults(args)
+    probe = StepProbe(gpu_uuids=config.get("gpu_uuids"))
+    try:
+        summary = wl.run(args, probe)
+    except BaseException as exc:
+        probe.fail(exc)
+        raise
+    finally:
+        probe.close()
+    rank = ray.train.get_context().get_world_rank()
+    box = ray.get_actor(config["summaries"], namespace="stepmem")
+    out = {
+        "steps": len(summary["step_times_s"]),
+        "step_times_s": summary["step_times_s"],
+        "probe_sent": probe.outbox.sent,
+        "probe_dropped": dict(probe.outbox.dropped),
+        "probe_cost_ns": list(probe.cost_ns),
+    }
+    ray.get(box.put.remote(rank, out), timeout=60)  # once, after training: not on its path
+
+
+def _run_train(
+    opts: JobOptions, echo, use_gpu: bool, gpu_uuids: dict[Any, str] | None = None
+) -> dict[str, Any]:
+    """The workload in a Ray Train ``TorchTrainer`` with ``opts.train_workers`` workers, one GPU
+    each (``use_gpu``); ``gpu_uuids`` maps a CPU worker's device to a (replayed) GPU in tests."""
+    import tempfile
+    import uuid
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    workload_module(opts.workload)  # an unknown name fails here, not in a worker
+    name = f"stepmem-train-summaries-{uuid.uuid4().hex[:12]}"
+    box = _Summaries.options(name=name, namespace="stepmem").remote()
+    storage = (
+        opts.store / (opts.run_id or "run") / "train"
+        if opts.store is not None
+        else Path(tempfile.mkdtemp(prefix="stepmem-train-"))
+    )
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config={
+            "workload": opts.workload,
+            "args": list(opts.workload_args),
+            "gpu_uuids": gpu_uuids,
+            "summaries": name,
+        },
+        scaling_config=ScalingConfig(num_workers=opts.train_workers, use_gpu=use_gpu),
+        run_config=RunConfig(storage_path=str(storage.resolve()), name="ray-train"),
+    )
+    echo(f"Ray Train: {opts.train_workers} worker(s), {'one GPU each' if use_gpu else 'CPU'}")
+    try:
+        trainer.fit()
+        by_rank = ray.get(box.get.remote(), timeout=60)
+    finally:
+        ray.kill(box)
+    first = by_rank.get(0, {})
+    echo(
+        f"workload {opts.workload} done in Ray Train: "
+        + ", ".join(f"rank {r} {s['steps']} steps" for r, s in sorted(by_rank.items()))
+    )
+    return {
+        "train_workers": opts.train_workers,
+        "step_times_s": first.get("step_times_s", []),
+        "probe_cost_ns": first.get("probe_cost_ns", []),
+        "probe_dropped": first.get("probe_dropped", {}),
+        "probe_sent": first.get("probe_sent"),
+        "workers": {
+            str(r): {"steps": s["steps"], "probe_sent": s["probe_sent"]} for r, s in by_rank.items()
+        },
+    }
+
+
 def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
     from collector.probe.core import StepProbe
 
@@ -265,6 +365,11 @@ def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
 
 def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
+    if opts.train_workers and spec.kind == "replay":
+        raise ValueError(
+            "--train-workers needs the live NVML backend (a GPU); the replay backend plays "
+            "recorded steps"
+        )
     echo(banner)
     local = _init_ray(opts.ray_address)
     terminate_as_interrupt()  # after ray.init, which installs a SIGTERM handler of its own
@@ -318,7 +423,11 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
                 p.info["replay_origin_ns"] = origin
             _replay_events(placed, spec, opts.steps, outbox, echo)
         else:
-            summary = _run_live(opts, outbox, echo)
+            summary = (
+                _run_train(opts, echo, use_gpu=True)
+                if opts.train_workers
+                else _run_live(opts, outbox, echo)
+            )
         status = "complete"
     except KeyboardInterrupt:
         status = "interrupted"

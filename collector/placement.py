@@ -92,7 +92,9 @@ class SamplerOptions:
 
     ``metrics_addr`` None binds ``/metrics`` to the node's own IP address (never all interfaces
     unless ``"0.0.0.0"`` is asked for); ``metrics_port`` 0 lets the OS pick a free port (the
-    actor reports it in ``info()`` and the launcher writes it to the ``file_sd`` file).
+    actor reports it in ``info()`` and the launcher writes it to the ``file_sd`` file); a
+    non-zero ``metrics_port`` is a base: the sampler of the GPU with NVML index ``i`` serves on
+    ``metrics_port + i`` (fixed ports, for a Kubernetes PodMonitor).
     ``remote_write`` (a :class:`collector.export.remote_write.RemoteWriteConfig`) pushes every
     step record with its step-end timestamp; with ``push_samples`` also the raw NVML trace as
     per-millisecond maxima (``job="stepmem-samples"``).
@@ -158,8 +160,9 @@ class SamplerActor:
             self.writer = RemoteWriter(options.remote_write)
         self.sampler.start()
         addr = options.metrics_addr or ray.util.get_node_ip_address()
+        port = options.metrics_port + self.device.info.index if options.metrics_port else 0
         self._server, self.metrics_port = serve(
-            SamplerCollector(lambda: [self.snapshot()]), addr, options.metrics_port
+            SamplerCollector(lambda: [self.snapshot()]), addr, port
         )
         self.metrics_addr = addr
         self._stop = threading.Event()

@@ -134,3 +134,23 @@ def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers,
     new = find_sampler(second.gpu_uuid)
     assert new._actor_id != old._actor_id
     assert ray.get(new.info.remote())["pid"] == second.info["pid"]
+
+
+def test_a_metrics_port_base_gives_gpu_i_port_base_plus_i(kill_samplers):
+    import socket
+
+    def free(port):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+
+    base = next(p for p in range(39400, 39600, 2) if free(p) and free(p + 1))
+    placed = launch_samplers(
+        BackendSpec("replay", captures=["idle"], gpus=2), loopback(metrics_port=base)
+    )
+    kill_samplers.extend(p.handle for p in placed)
+    ports = {p.info["index"]: p.info["metrics_port"] for p in placed}
+    assert ports == {0: base, 1: base + 1}

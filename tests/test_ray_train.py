@@ -53,3 +53,23 @@ def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["samples"] > 0 and r["ledger"]["parameters"] > 0 for r in records)
     assert [p["phase"] for p in records[0]["phases"]] == ["forward_backward", "optimizer"]
+
+
+def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):
+    """`stepmem run --train-workers N`: the job's Ray Train path, with a CPU worker whose probe
+    addresses the replayed GPU of this node."""
+    from collector.job import JobOptions, _run_train
+
+    (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
+    kill_samplers.append(placed.handle)
+    args = ["--pattern", "leak", "--steps", "3", "--leak-mib", "1", "--base-mib", "4"]
+    opts = JobOptions(
+        workload="patterns", workload_args=args, train_workers=1, store=tmp_path, run_id="t"
+    )
+    lines = []
+    summary = _run_train(opts, lines.append, use_gpu=False, gpu_uuids={"cpu": placed.gpu_uuid})
+    assert summary["train_workers"] == 1 and len(summary["step_times_s"]) == 3, summary
+    assert summary["probe_sent"] == 6 and not summary["probe_dropped"]  # begin + end, 3 steps
+    assert "Ray Train: 1 worker(s), CPU" in lines
+    wait_for(lambda: len(ray.get(placed.handle.step_records.remote())) == 3, timeout=30)
+    assert [r["step"] for r in ray.get(placed.handle.step_records.remote())] == [1, 2, 3]
