@@ -1,0 +1,217 @@
+"""The user's path end to end: `ray start --head` (CPU, loopback), `ray job submit` of a tiny
+replayed run, a real Prometheus scraping the samplers through the job's file_sd file; and
+`ray job stop` on a second run leaving a readable store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from collector.report import load_run
+from tests.prom import Prometheus, free_port, require
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.ray
+
+
+def _ray_bin() -> str:
+    exe = Path(sys.executable).parent / "ray"
+    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head of its own (not the session's ray.init cluster): `ray start --head --block`
+    on loopback with its own ports and temp dir, stopped by signal (never `ray stop`, which
+    would stop every Ray cluster on the machine)."""
+    temp = tempfile.mkdtemp(prefix="rayh")  # short: Ray's socket paths live under it
+    dash = free_port()
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep the node on 127.0.0.1
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_JOB_STOP_WAIT_TIME_S": "30",  # `ray job stop`: time to flush before SIGKILL
+    }
+    ports = {
+        "--port": free_port(),
+        "--dashboard-port": dash,
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--ray-client-server-port": free_port(),
+    }
+    log = open(Path(temp) / "ray-start.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            _ray_bin(),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=4",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+            *(f"{k}={v}" for k, v in ports.items()),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            r = _ray(["job", "list", "--address", address], env, timeout=30, check=False)
+            if r.returncode == 0:
+                break
+            assert proc.poll() is None, (Path(temp) / "ray-start.log").read_text()[-2000:]
+            time.sleep(1)
+        else:
+            pytest.fail("the Ray head's job server did not answer within 90 s")
+        yield address, env
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # --block: the head stops its processes
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray(args, env, timeout=120, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [_ray_bin(), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _submit(address, env, job_args, no_wait=False) -> subprocess.CompletedProcess:
+    return _ray(
+        [
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            ".",
+            *(["--no-wait"] if no_wait else []),
+            "--",
+            "python",
+            "-m",
+            "collector.job",
+            "--backend",
+            "replay",
+            "--metrics-addr",
+            "127.0.0.1",
+            *job_args,
+        ],
+        env,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_ray_job_submit_runs_samplers_a_store_a_report_and_is_scraped(ray_head, tmp_path):
+    address, env = ray_head
+    require("prometheus")
+    prom = Prometheus(tmp_path / "prom").start()
+    try:
+        store = tmp_path / "runs"
+        r = _submit(
+            address,
+            env,
+            [
+                "--capture",
+                "adamw_8bit",
+                "--gpus",
+                "2",
+                "--speed",
+                "2",
+                "--steps",
+                "4",
+                "--run-id",
+                "ci-submit",
+                "--store",
+                str(store),
+                "--targets",
+                str(prom.targets / "ci-submit.json"),
+            ],
+        )
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert "succeeded" in r.stdout + r.stderr
+        out = r.stdout
+        assert out.count("sampler stepmem:") == 2  # one per simulated GPU
+        assert "Diagnosis" in out and "Step 1→2: torch reserved at step end grew by 12.65 GiB" in (
+            " ".join(out.split())
+        )
+        run = load_run(store / "ci-submit")
+        assert run.meta["status"] == "complete" and len(run.gpus) == 2
+        assert {len(run.by_gpu[u]) for u in run.gpus} == {4}
+        # Prometheus scraped both samplers through the file the job kept current.
+        got = prom.query(
+            'count by (gpu_uuid) (last_over_time(stepmem_nvml_used_bytes{run="ci-submit"}[10m]))'
+        )
+        assert {x["metric"]["gpu_uuid"] for x in got} == set(run.gpus)
+        steps = prom.query('max_over_time(stepmem_step{run="ci-submit"}[10m])')
+        assert steps and max(float(x["value"][1]) for x in steps) >= 2
+        assert json.loads((prom.targets / "ci-submit.json").read_text()) == []  # cleared at end
+    finally:
+        prom.stop()
+
+
+def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path):
+    address, env = ray_head
+    store = tmp_path / "runs"
+    r = _submit(
+        address,
+        env,
+        ["--capture", "adamw_8bit", "--run-id", "ci-stop", "--store", str(store)],
+        no_wait=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = next(
+        w.strip("'\"")
+        for w in (r.stdout + r.stderr).split()
+        if w.strip("'\"").startswith("raysubmit_")
+    )
+    steps = store / "ci-stop" / "steps"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (steps.is_dir() and any(steps.glob("*.parquet"))):
+        time.sleep(0.5)
+    assert any(steps.glob("*.parquet")), "the run stored no step before it was stopped"
+    _ray(["job", "stop", "--address", address, job_id], env, timeout=120)
+    deadline = time.monotonic() + 60
+    status = ""
+    while time.monotonic() < deadline:
+        status = _ray(["job", "status", "--address", address, job_id], env).stdout
+        if "was stopped" in status:
+            break
+        time.sleep(1)
+    assert "was stopped" in status, status
+    run = load_run(store / "ci-stop")
+    assert run.meta["status"] == "interrupted"
+    (uuid,) = run.gpus
+    assert 1 <= len(run.by_gpu[uuid]) < 5  # the capture holds 5 steps; it stopped before the end
+    report = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "report", str(store / "ci-stop")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0 and "Diagnosis" in report.stdout, report.stderr
