@@ -27,7 +27,8 @@ in order:
    than ``TRANSIENT_BYTES`` (and 5 %): memory that came and went inside the step.
 6. **Headroom and OOM** — the largest peak against the card's capacity; a step in which the
    allocator counted an OOM or that failed with ``OutOfMemoryError``, with its NVML peak, the
-   previous step's, and what the allocator held when it failed; a step that failed otherwise.
+   previous step's, and what the allocator held when it failed; a step that failed otherwise,
+   or was interrupted (SIGTERM, Ctrl-C, ``ray job stop``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ POOL_SHARE = 0.8
 
 @dataclass
 class Finding:
-    rule: str  # steady_state growing jump nontorch cache transient headroom oom failed empty
+    rule: str  # steady_state growing jump nontorch cache transient headroom oom failed
+    # interrupted empty
     text: str
     numbers: dict[str, Any] = field(default_factory=dict)
 
@@ -397,6 +399,15 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 )
                 nums["allocated_at_failure"] = alloc
             out.append(Finding("oom", text + ".", nums))
+        elif error == "KeyboardInterrupt":
+            out.append(
+                Finding(
+                    "interrupted",
+                    f"The run was stopped during step {r['step']} (SIGTERM, Ctrl-C or "
+                    "`ray job stop`); the steps before it are complete.",
+                    {"step": r["step"]},
+                )
+            )
         elif error:
             out.append(
                 Finding(

@@ -252,3 +252,25 @@ def test_not_a_run_is_one_clear_line(tmp_path):
     res = stepmem("report", str(tmp_path))
     assert res.returncode == 2 and "not a stepmem run directory" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+TRAIN = H200.parent / "h200-train" / "runs"
+
+
+def test_the_7b_run_in_a_ray_train_worker_shows_the_same_jump():
+    run = load_run(TRAIN / "h200-7b-train")
+    (uuid,) = run.gpus
+    jump = next(f for f in diagnose(run.by_gpu[uuid]) if f.rule == "jump")
+    assert jump.numbers["reserved_jump"] / GIB == pytest.approx(12.65, abs=0.01)
+    assert jump.numbers["new_state"] == "optimizer_state"
+
+
+def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete():
+    run = load_run(TRAIN / "h200-7b-stop")
+    (uuid,) = run.gpus
+    recs = run.by_gpu[uuid]
+    assert run.meta["status"] == "interrupted" and run.meta["samples_lost"] == 0
+    assert [r["step"] for r in recs if not r.get("error")] == [1, 2, 3, 4, 5, 6]
+    assert [(r["step"], r["error"]) for r in recs if r.get("error")] == [(7, "KeyboardInterrupt")]
+    (f,) = [x for x in diagnose(recs, run.totals[uuid]) if x.rule == "interrupted"]
+    assert f.numbers["step"] == 7
