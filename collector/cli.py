@@ -256,8 +256,9 @@ def _strip_dashes(args: list[str]) -> list[str]:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from collector.job import JobOptions, WorkloadFailed, run_job
+    from collector.job import JobOptions, WorkloadFailed, check_workload_args, run_job
 
+    check_workload_args(ns.workload, _strip_dashes(ns.workload_args))
     remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")

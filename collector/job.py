@@ -257,6 +257,21 @@ class _Summaries:
         return self.by_rank
 
 
+def check_workload_args(name: str, args: list[str]) -> None:
+    """Parse a workload's arguments before anything starts; ``ValueError`` with argparse's
+    message on one line (an unknown optimizer, a bad size), never a usage dump."""
+    wl = workload_module(name)
+    p = wl.parser()
+
+    def error(message: str) -> None:
+        raise ValueError(f"workload {name}: {message}")
+
+    p.error = error  # type: ignore[method-assign]
+    ns = p.parse_args(args)
+    if name == "patterns":  # its defaults only check values; finetune's look at the GPU
+        wl.defaults(ns)
+
+
 def _train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: the workload under its own probe, which finds this node's sampler
     for the worker's GPU by name. Leaves its step count and step times for the driver."""

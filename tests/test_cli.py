@@ -65,6 +65,17 @@ def one_line_error(res, *needles):
             ],
             ["STEPMEM_NO_SUCH_VAR"],
         ),
+        (["run", "--", "--optim", "sgd_9bit"], ["workload finetune", "--optim", "sgd_9bit"]),
+        (["run", "--workload", "patterns", "--", "--pattern", "x"], ["--pattern", "'x'"]),
+        (["run", "--workload", "patterns", "--"], ["--pattern"]),
+        (
+            ["run", "--workload", "patterns", "--", "--pattern", "leak", "--steps", "0"],
+            ["--steps must be >= 1"],
+        ),
+        (["run", "--train-workers", "0"], ["--train-workers"]),
+        (["run", "--train-workers", "2"], ["--train-workers needs the live NVML backend"]),
+        (["report", "/nonexistent/run"], ["/nonexistent/run"]),
+        (["compare", "/nonexistent/a", "/nonexistent/b"], ["/nonexistent/a"]),
         (["capture", "--out", "x.parquet"], ["--duration"]),
         (["capture", "--out", "x.parquet", "--duration", "-1"], ["--duration"]),
     ],
@@ -80,6 +91,20 @@ def test_corrupt_and_foreign_captures_are_named(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("hello")
     one_line_error(stepmem("devices", "--backend", "replay", "--capture", str(text)), "notes.txt")
+
+
+def test_a_directory_that_is_not_a_run_and_a_corrupt_part_are_named(tmp_path):
+    one_line_error(stepmem("report", str(tmp_path)), str(tmp_path))
+    # a run store whose steps part is corrupt (e.g. a disk that filled while writing)
+    from collector.store import RunWriter
+
+    w = RunWriter(tmp_path / "run", {"run_id": "run"})
+    w.add_samples("GPU-a", [1, 2, 3], [10, 20, 30], [0, 0, 0])
+    w.add_records([{"gpu_uuid": "GPU-a", "step": 1, "begin_ns": 1, "end_ns": 3}])
+    w.close()
+    (part,) = (tmp_path / "run" / "steps").glob("*.parquet")
+    part.write_bytes(part.read_bytes()[:100])
+    one_line_error(stepmem("report", str(tmp_path / "run")), "unreadable part", part.name)
 
 
 def test_unknown_gpu_uuid_is_named():
