@@ -66,3 +66,27 @@ def loopback(**kw):
     from collector.placement import SamplerOptions
 
     return SamplerOptions(metrics_addr="127.0.0.1", **kw)
+
+
+# -- the fault table -----------------------------------------------------------------------------
+# Fault and bad-input tests end by recording what they measured (after their assertions, so a row
+# means the test passed). `python benchmarks/faults.py` runs them with STEPMEM_FAULT_TABLE set and
+# renders the committed table from the rows.
+_FAULTS: list[dict] = []
+
+
+@pytest.fixture
+def record_fault(request):
+    def record(fault: str, outcome: str, **figures) -> None:
+        _FAULTS.append({"fault": fault, "outcome": outcome, "test": request.node.nodeid, **figures})
+
+    return record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import json
+
+    path = os.environ.get("STEPMEM_FAULT_TABLE")
+    if path and _FAULTS:
+        with open(path, "w") as f:
+            json.dump(_FAULTS, f, indent=1)

@@ -80,20 +80,24 @@ def one_line_error(res, *needles):
         (["capture", "--out", "x.parquet", "--duration", "-1"], ["--duration"]),
     ],
 )
-def test_bad_input_is_one_clear_line(args, needles):
-    one_line_error(stepmem(*args), *needles)
+def test_bad_input_is_one_clear_line(args, needles, record_fault):
+    line = one_line_error(stepmem(*args), *needles)
+    record_fault("bad input: stepmem " + " ".join(args), line, exit_code=2)
 
 
-def test_corrupt_and_foreign_captures_are_named(tmp_path):
+def test_corrupt_and_foreign_captures_are_named(tmp_path, record_fault):
     corrupt = tmp_path / "corrupt.capture.parquet"
     corrupt.write_bytes(resolve_capture("idle").read_bytes()[:2000])
     one_line_error(stepmem("run", "--capture", str(corrupt)), str(corrupt))
     text = tmp_path / "notes.txt"
     text.write_text("hello")
-    one_line_error(stepmem("devices", "--backend", "replay", "--capture", str(text)), "notes.txt")
+    line = one_line_error(
+        stepmem("devices", "--backend", "replay", "--capture", str(text)), "notes.txt"
+    )
+    record_fault("bad input: a truncated capture, a text file as a capture", line, exit_code=2)
 
 
-def test_a_directory_that_is_not_a_run_and_a_corrupt_part_are_named(tmp_path):
+def test_a_directory_that_is_not_a_run_and_a_corrupt_part_are_named(tmp_path, record_fault):
     one_line_error(stepmem("report", str(tmp_path)), str(tmp_path))
     # a run store whose steps part is corrupt (e.g. a disk that filled while writing)
     from collector.store import RunWriter
@@ -104,7 +108,10 @@ def test_a_directory_that_is_not_a_run_and_a_corrupt_part_are_named(tmp_path):
     w.close()
     (part,) = (tmp_path / "run" / "steps").glob("*.parquet")
     part.write_bytes(part.read_bytes()[:100])
-    one_line_error(stepmem("report", str(tmp_path / "run")), "unreadable part", part.name)
+    line = one_line_error(stepmem("report", str(tmp_path / "run")), "unreadable part", part.name)
+    record_fault(
+        "bad input: a directory that is not a run; a corrupt Parquet part", line, exit_code=2
+    )
 
 
 def test_unknown_gpu_uuid_is_named():
@@ -201,7 +208,8 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
 
 
 @pytest.mark.ray
-def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, record_fault):
     import signal
     import time
 
@@ -231,7 +239,7 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path):
     ):
         time.sleep(0.2)
     time.sleep(2.5)  # inside step 1 of the replay
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
@@ -240,3 +248,9 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path):
     assert store.meta["health"]  # the samplers were stopped and reported
     (uuid,) = store.gpus()
     assert len(store.samples(uuid)) > 1000  # every sample up to the signal
+    record_fault(
+        f"{sig} to `stepmem run` inside step 1",
+        "exit 130, one line; samplers stopped; run store complete with status interrupted",
+        samples_stored=len(store.samples(uuid)),
+        samples_lost=store.meta.get("samples_lost"),
+    )

@@ -23,7 +23,7 @@ def metrics_text(info) -> str:
         return r.read().decode()
 
 
-def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers):
+def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers, record_fault):
     placed = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=3), loopback())
     kill_samplers.extend(p.handle for p in placed)
     ok, failing, lost = placed
@@ -64,9 +64,18 @@ def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers):
         if line.startswith("stepmem_sampler_up{")
     ]
     assert up and up[0].endswith(" 0.0")
+    record_fault(
+        "NVML errors (unknown) on one GPU, GPU lost on another, of three",
+        "the healthy GPU samples on; errors counted by kind; the affected GPUs' steps are kept "
+        "with gap no_samples; the lost GPU's sampler stops with stopped_by=gpu_lost, up=0",
+        failed_steps=0,
+        steps_lost=0,
+        errors_counted=health[failing.gpu_uuid]["errors"]["unknown"],
+        healthy_samples_in_step=recs[ok.gpu_uuid][0]["samples"],
+    )
 
 
-def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_samplers):
+def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_samplers, record_fault):
     (p,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(p.handle)
     started = ray.get(p.handle.info.remote())["started_ns"]
@@ -108,3 +117,12 @@ def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_sampl
         "events_rejected"
     ].get("end_without_begin", 0)
     assert all(recs[s]["gap"] in ("", "stall") and recs[s]["samples"] > 0 for s in range(171, 181))
+    record_fault(
+        "sampler actor killed at step 30 of 180",
+        "training took every step; Ray restarted the actor; steps around the kill flagged "
+        "(sampler_started / no_samples), none after it lost",
+        failed_steps=180 - len(probe.records),
+        slowdown_ratio=round(after / before, 3),
+        steps_lost_after_restart=len(set(range(kill_at + 2, 181)) - set(recs)),
+        steps_flagged=sum(1 for r in recs.values() if r["gap"]),
+    )

@@ -175,7 +175,7 @@ def test_ray_job_submit_runs_samplers_a_store_a_report_and_is_scraped(ray_head, 
         prom.stop()
 
 
-def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path):
+def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path, record_fault):
     address, env = ray_head
     store = tmp_path / "runs"
     r = _submit(
@@ -215,3 +215,10 @@ def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path):
         timeout=120,
     )
     assert report.returncode == 0 and "Diagnosis" in report.stdout, report.stderr
+    record_fault(
+        "`ray job stop` on a submitted run",
+        "the job ends STOPPED; the run store is complete with status interrupted; "
+        "`stepmem report` reads it",
+        steps_stored=len(run.by_gpu[uuid]),
+        samples_lost=run.meta.get("samples_lost"),
+    )

@@ -101,7 +101,7 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
         assert health["events_rejected"] == {} and health["errors"] == {}
 
 
-def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers):
+def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers, record_fault):
     (p,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(p.handle)
     bad = [
@@ -117,6 +117,12 @@ def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers):
     health = ray.get(p.handle.health.remote())
     assert health["events_rejected"] == {"malformed": 6, "wrong_gpu": 1}
     assert health["alive"] is True and health["samples_total"] > 0
+    record_fault(
+        "malformed step events sent to a sampler actor (7 kinds, and a non-list)",
+        "each rejected and counted (malformed / wrong_gpu); the sampler lives on",
+        events_rejected_counted=sum(health["events_rejected"].values()),
+        sampler_alive=health["alive"],
+    )
 
 
 def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers, monkeypatch):

@@ -124,7 +124,9 @@ def test_promtool_finds_nothing_wrong_in_live_metrics(kill_samplers):
     assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res
 
 
-def test_buffered_steps_arrive_after_prometheus_starts_and_drops_are_counted(tmp_path):
+def test_buffered_steps_arrive_after_prometheus_starts_and_drops_are_counted(
+    tmp_path, record_fault
+):
     port = free_port()
     writer = RemoteWriter(
         RemoteWriteConfig(
@@ -155,9 +157,17 @@ def test_buffered_steps_arrive_after_prometheus_starts_and_drops_are_counted(tmp
     finally:
         writer.close(timeout=1)
         prom.stop()
+    record_fault(
+        "Prometheus down, 80 steps pushed, then started",
+        "pushes never block; the buffer (50) arrived after Prometheus started; the 30 oldest "
+        "beyond it counted as buffer_full",
+        samples_lost_uncounted=0,
+        samples_dropped_counted=30,
+        samples_arrived=50,
+    )
 
 
-def test_a_400_is_logged_with_its_reason_and_not_retried(prom, caplog):
+def test_a_400_is_logged_with_its_reason_and_not_retried(prom, caplog, record_fault):
     labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-reject", "run": "t-reject"}
     now_ms = int(time.time() * 1000)
     first = RemoteWriter(RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.1))
@@ -172,9 +182,17 @@ def test_a_400_is_logged_with_its_reason_and_not_retried(prom, caplog):
     assert late.requests == 1 and late.sent == 0  # no retry
     assert "HTTP 400" in caplog.text and "out of order" in caplog.text
     late.close(timeout=1)
+    record_fault(
+        "remote write answered 400 (out-of-order sample)",
+        "logged with Prometheus' reason, counted as rejected_4xx, not retried",
+        requests=late.requests,
+        samples_rejected_counted=1,
+    )
 
 
-def test_credentials_never_reach_logs_metrics_or_repr(prom, tmp_path, caplog, kill_samplers):
+def test_credentials_never_reach_logs_metrics_or_repr(
+    prom, tmp_path, caplog, kill_samplers, record_fault
+):
     secret = "planted-s3cret-7f3a9"
     token = tmp_path / "token"
     token.write_text(secret + "\n")
@@ -201,6 +219,11 @@ def test_credentials_never_reach_logs_metrics_or_repr(prom, tmp_path, caplog, ki
     for where in (caplog.text, text, repr(writer), repr(rw), str(info), str(health)):
         assert secret not in where
     writer.close(timeout=1)
+    record_fault(
+        "a remote-write bearer token planted in a file",
+        "absent from logs (DEBUG), /metrics, repr, the actor's info and health",
+        places_checked=6,
+    )
 
 
 def test_raw_samples_become_per_millisecond_maxima_and_the_open_millisecond_waits():
@@ -219,3 +242,123 @@ def test_raw_samples_become_per_millisecond_maxima_and_the_open_millisecond_wait
         assert {dict(k)["job"] for k, _, _ in w._buf} == {"stepmem-samples"}
     finally:
         w.close(timeout=0.1)
+
+
+class FaultyProxy:
+    """A loopback HTTP proxy in front of the real Prometheus that answers the first ``fail``
+    requests with 503 and delays every request by ``delay_s`` (a slow receiver)."""
+
+    def __init__(self, upstream: str, fail: int = 0, delay_s: float = 0.0) -> None:
+        import http.server
+        import threading
+
+        proxy = self
+        self.fail, self.delay_s, self.requests, self.failed = fail, delay_s, 0, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                proxy.requests += 1
+                time.sleep(proxy.delay_s)
+                if proxy.failed < proxy.fail:
+                    proxy.failed += 1
+                    self.send_response(503)
+                    self.end_headers()
+                    self.wfile.write(b"overloaded")
+                    return
+                req = urllib.request.Request(
+                    upstream + self.path, data=body, headers=dict(self.headers), method="POST"
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=10) as r:
+                        status = r.status
+                except urllib.error.HTTPError as exc:
+                    status = exc.code
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _push_timed(writer, labels, n, t0_ms):
+    worst = 0.0
+    for i in range(n):
+        t = time.perf_counter()
+        writer.push("stepmem_step", labels, t0_ms + i, float(i))
+        worst = max(worst, time.perf_counter() - t)
+    return worst
+
+
+def test_5xx_answers_are_retried_and_everything_catches_up(prom, record_fault):
+    proxy = FaultyProxy(prom.url, fail=3)
+    writer = RemoteWriter(
+        RemoteWriteConfig(
+            url=f"{proxy.url}/api/v1/write",
+            batch_max=20,
+            flush_interval_s=0.05,
+            backoff_min_s=0.1,
+            backoff_max_s=0.4,
+        )
+    )
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-5xx", "run": "t-5xx"}
+    try:
+        worst = _push_timed(writer, labels, 100, int(time.time() * 1000) - 200)
+        wait_for(lambda: writer.sent == 100, timeout=30)
+        series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-5xx"}'
+        wait_for(lambda: prom.scalar(f"count_over_time({series}[10m])") == 100, timeout=20)
+        assert proxy.failed == 3 and writer.stats()["dropped"] == {}
+        assert worst < 0.01  # the caller never waits on the receiver
+    finally:
+        writer.close(timeout=1)
+        proxy.close()
+    record_fault(
+        "remote write answered 503 three times",
+        "retried with backoff; all samples arrived after recovery; the pushing thread never waited",
+        samples_lost=0,
+        worst_push_ms=round(worst * 1000, 3),
+        retried_requests=proxy.failed,
+    )
+
+
+def test_a_slow_receiver_never_slows_the_caller_and_the_buffer_stays_bounded(prom, record_fault):
+    proxy = FaultyProxy(prom.url, delay_s=0.5)
+    writer = RemoteWriter(
+        RemoteWriteConfig(
+            url=f"{proxy.url}/api/v1/write", buffer_max=100, batch_max=50, flush_interval_s=0.05
+        )
+    )
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-slow", "run": "t-slow"}
+    try:
+        t0 = int(time.time() * 1000) - 1000
+        worst = _push_timed(writer, labels, 50, t0)  # the first batch goes out, slowly
+        time.sleep(0.1)
+        worst = max(worst, _push_timed(writer, labels, 400, t0 + 50))  # a burst meanwhile
+        assert writer.stats()["pending"] <= 100  # bounded
+        dropped = writer.stats()["dropped"].get("buffer_full", 0)
+        assert dropped > 0
+        # every sample is sent or counted as dropped (the last batch may still be in flight)
+        wait_for(lambda: writer.sent + writer.stats()["dropped"]["buffer_full"] == 450, timeout=30)
+        dropped = writer.stats()["dropped"]["buffer_full"]
+        series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-slow"}'
+        wait_for(lambda: prom.scalar(f"count_over_time({series}[10m])") == writer.sent, timeout=20)
+        assert worst < 0.01
+    finally:
+        writer.close(timeout=1)
+        proxy.close()
+    record_fault(
+        "remote-write receiver 0.5 s per request, a burst of 450 samples",
+        "the caller never waits; buffer bounded at 100; the oldest dropped and counted; the "
+        "rest arrived",
+        worst_push_ms=round(worst * 1000, 3),
+        samples_sent=writer.sent,
+        samples_dropped_counted=dropped,
+    )

@@ -102,7 +102,7 @@ def test_a_recorded_allocator_jump_is_not_taken_for_new_state():
     assert not [x for x in fs if x.rule in ("growing", "transient", "oom")]
 
 
-def test_a_recorded_oom_names_the_step_and_the_peak_before_it():
+def test_a_recorded_oom_names_the_step_and_the_peak_before_it(record_fault):
     fs, run = store_findings("h200-oom")
     (oom,) = [x for x in fs if x.rule == "oom"]
     n = oom.numbers
@@ -117,6 +117,19 @@ def test_a_recorded_oom_names_the_step_and_the_peak_before_it():
     assert run.meta["status"] == "failed" and "OutOfMemoryError" in run.meta["error"]
     recs = run.by_gpu[run.gpus[0]]
     assert [r["step"] for r in recs if r.get("error")] == [12]
+    from collector.store import RunStore
+
+    samples = RunStore(JOBS / "h200-oom").samples(run.gpus[0])
+    end = recs[-1]["end_ns"]
+    record_fault(
+        "the workload dies of a CUDA OOM (H200, benchmarks/results/h200-jobs)",
+        "the job prints the report and exits 1; the OOM step is recorded (error "
+        "OutOfMemoryError) and named with the peak before it; samples up to the failure stored",
+        oom_step=n["step"],
+        peak_gib=round(n["peak"] / GIB, 2),
+        samples_in_last_second=int(((samples.t_ns > end - 10**9) & (samples.t_ns <= end)).sum()),
+        steps_lost=0,
+    )
 
 
 def test_the_report_of_the_oom_run_shows_the_samples_leading_to_it():
@@ -265,7 +278,7 @@ def test_the_7b_run_in_a_ray_train_worker_shows_the_same_jump():
     assert jump.numbers["new_state"] == "optimizer_state"
 
 
-def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete():
+def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete(record_fault):
     run = load_run(TRAIN / "h200-7b-stop")
     (uuid,) = run.gpus
     recs = run.by_gpu[uuid]
@@ -274,3 +287,10 @@ def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete():
     assert [(r["step"], r["error"]) for r in recs if r.get("error")] == [(7, "KeyboardInterrupt")]
     (f,) = [x for x in diagnose(recs, run.totals[uuid]) if x.rule == "interrupted"]
     assert f.numbers["step"] == 7
+    record_fault(
+        "`ray job stop` on the 7B finetune (H200, benchmarks/results/h200-train)",
+        "the job ends STOPPED; store status interrupted; steps 1-6 complete, step 7 recorded as "
+        "interrupted",
+        steps_stored=len(recs),
+        samples_lost=run.meta["samples_lost"],
+    )

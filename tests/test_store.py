@@ -72,7 +72,7 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path):
         RunStore(tmp_path)
 
 
-def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path):
+def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path, record_fault):
     script = textwrap.dedent(f"""
         import os, signal, numpy as np
         from collector.store import RunWriter
@@ -97,9 +97,15 @@ def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path):
     assert "memory per step" in text
     leftovers = [p for p in (tmp_path / "run").rglob("*") if p.name.startswith(".")]
     assert all(p.suffix == ".tmp" for p in leftovers)  # at worst a temp file, never a torn part
+    record_fault(
+        "the process writing a run store killed with SIGKILL after 7 flushes",
+        "the store reads back (status running) with everything flushed; `stepmem report` reads it",
+        steps_lost=0,
+        samples_lost=0,
+    )
 
 
-def test_write_failures_are_counted_and_never_raised(tmp_path, caplog):
+def test_write_failures_are_counted_and_never_raised(tmp_path, caplog, record_fault):
     w = RunWriter(tmp_path / "run", {"run_id": "r"})
     steps = tmp_path / "run" / "steps"
     os.rmdir(steps)
@@ -111,3 +117,10 @@ def test_write_failures_are_counted_and_never_raised(tmp_path, caplog):
     assert w.write_errors == {"steps": 1}
     assert w.rows_written["samples"] == 3
     assert "run store write failed" in caplog.text
+    record_fault(
+        "run store unwritable (its steps folder replaced by a file)",
+        "one clear log line; nothing raised to the caller; what could not be written counted "
+        "(write_errors), the rest written",
+        parts_not_written_counted=w.write_errors["steps"],
+        samples_written=w.rows_written["samples"],
+    )
