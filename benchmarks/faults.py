@@ -1,0 +1,105 @@
+"""The fault and bad-input table: runs the tests that inject each fault (real local Ray cluster,
+real Prometheus, replay backend; the H200 cases read the run stores committed from the GPU),
+collects what each measured, and writes ``faults.json`` and ``table.md`` into ``--out``.
+
+A test records its row only after its assertions pass, so every row is a passing test; a test
+that fails leaves its row out and the script exits 1.
+
+    python benchmarks/faults.py --out benchmarks/results/faults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = [
+    "tests/test_faults.py",
+    "tests/test_prometheus.py",
+    "tests/test_probe.py",
+    "tests/test_placement.py",
+    "tests/test_store.py",
+    "tests/test_cli.py",
+    "tests/test_report.py",
+    "tests/test_job_submit.py",
+]
+SELECT = (
+    "nvml_errors or killed_mid_run or buffered_steps or a_400 or credentials or 5xx or "
+    "slow_receiver or malformed or sigkill or write_failures or bad_input or corrupt_and_foreign "
+    "or not_a_run or sigterm or job_stop or recorded_oom or dead_sampler or stalled_sampler or "
+    "stopped_by_ray_job_stop"
+)
+FIGURE_KEYS_SKIP = {"fault", "outcome", "test"}
+
+
+def figures(row: dict) -> str:
+    return ", ".join(
+        f"{k.replace('_', ' ')} {v}" for k, v in row.items() if k not in FIGURE_KEYS_SKIP
+    )
+
+
+def render(rows: list[dict], long_run: dict | None) -> str:
+    faults = [r for r in rows if not r["fault"].startswith("bad input:")]
+    bad = [r for r in rows if r["fault"].startswith("bad input:")]
+    out = [
+        "| fault | outcome | measured | test |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in faults:
+        test = r["test"].split("::")[0].removeprefix("tests/")
+        out.append(f"| {r['fault']} | {r['outcome']} | {figures(r)} | `{test}` |")
+    if long_run:
+        per = list(long_run["per_gpu"].values())
+        out.append(
+            f"| a long run: {len(per)} replayed GPUs sampled at max past "
+            f"{min(p['samples'] for p in per) / 1e6:.1f}M samples each, {long_run['steps_sent']} "
+            "steps, drained like the run store | sampler memory bounded: its own heap flat once "
+            "the ring has wrapped | heap growth over the second half "
+            + ", ".join(f"{p['anon_growth_second_half_mib']:+.2f} MiB" for p in per)
+            + " (all resident memory: "
+            + ", ".join(f"{p['growth_second_half_mib']:+.2f}" for p in per)
+            + " MiB, the rest Ray object-store pages) | `benchmarks/long_run.py` |"
+        )
+    out += ["", "| bad input | what the user sees (exit 2) |", "| --- | --- |"]
+    for r in bad:
+        out.append(f"| `{r['fault'].removeprefix('bad input: ')}` | {r['outcome']} |")
+    # pytest's temporary folders are this machine's: name them by what they are
+    return re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s']+", "<tmp>", "\n".join(out) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--render", action="store_true", help="re-render table.md from faults.json")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    table = a.out / "faults.json"
+    rc = 0
+    if not a.render:
+        table.unlink(missing_ok=True)
+        env = {**os.environ, "STEPMEM_FAULT_TABLE": str(table.resolve())}
+        env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FILES]
+        print(" ".join([*cmd, "-k", repr(SELECT)]), flush=True)
+        rc = subprocess.run([*cmd, "-k", SELECT], cwd=ROOT, env=env).returncode
+    rows = json.loads(table.read_text()) if table.exists() else []
+    for row in rows:  # the same for the JSON
+        for k, v in row.items():
+            if isinstance(v, str):
+                row[k] = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s']+", "<tmp>", v)
+    table.write_text(json.dumps(rows, indent=1) + "\n")
+    lr = ROOT / "benchmarks" / "results" / "local-long-run" / "long_run.json"
+    text = render(rows, json.loads(lr.read_text()) if lr.exists() else None)
+    (a.out / "table.md").write_text(text)
+    print(text, end="")
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
