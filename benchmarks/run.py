@@ -258,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     a.out.mkdir(parents=True, exist_ok=True)
-    status: dict[str, Any] = {"command": ["python", "benchmarks/run.py", *(argv or sys.argv[1:])]}
+    # Parts already in --out (e.g. the GPU parts from another machine) stay; this run's are added.
+    old = a.out / "runner.json"
+    status: dict[str, Any] = json.loads(old.read_text()) if old.exists() else {}
+    command = ["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]
+    status["commands"] = [*status.get("commands", []), command]
+    status.pop("command", None)
     for i, name in enumerate(parts, 1):
         print(f"[{i}/{len(parts)}] {name}", flush=True)
         status[name] = run_part(name, a.out, a)
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table([a.out])
     (a.out / "table.md").write_text(text)
     print(text, end="")
-    failed = [k for k, v in status.items() if isinstance(v, dict) and v.get("status") == "failed"]
+    failed = [k for k in parts if status[k].get("status") == "failed"]
     if failed:
         print(f"failed parts: {', '.join(failed)} (see their .err files in {a.out})")
     return 1 if failed else 0
