@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the workload in a Ray Train TorchTrainer with N workers, one GPU each "
         "(live backend; default: in this process, on every GPU it sees)",
     )
+    r.add_argument(
+        "--script",
+        type=Path,
+        metavar="TRAIN.py",
+        help="run your own training script (one that uses a stepmem probe adapter) instead of "
+        "a built-in workload; its arguments go after '--'",
+    )
     r.add_argument("--out", type=Path, help="write step records (JSON) here")
     r.add_argument(
         "--address",
@@ -258,7 +265,13 @@ def _strip_dashes(args: list[str]) -> list[str]:
 def _cmd_run(ns: argparse.Namespace) -> int:
     from collector.job import JobOptions, WorkloadFailed, check_workload_args, run_job
 
-    check_workload_args(ns.workload, _strip_dashes(ns.workload_args))
+    if ns.script is not None:
+        if not ns.script.is_file():
+            raise UserError(f"stepmem run: --script {ns.script}: no such file")
+        if ns.train_workers:
+            raise UserError("stepmem run: --script and --train-workers do not go together")
+    else:
+        check_workload_args(ns.workload, _strip_dashes(ns.workload_args))
     remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
@@ -296,6 +309,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         run_id=ns.run_id,
         workload_label=ns.workload_label,
         train_workers=ns.train_workers,
+        script=ns.script,
         store=None if ns.no_store else ns.store,
     )
     try:

@@ -73,6 +73,7 @@ class JobOptions:
     store: Path | None = Path("runs")  # run store root; None: no store
     workload_label: str = ""  # the `workload` label; default: the workload or the captures
     train_workers: int = 0  # >0: run the workload in a Ray Train TorchTrainer with N workers
+    script: Path | None = None  # a user's training script (with a probe adapter) instead
 
 
 def nvml_available() -> bool:
@@ -356,9 +357,32 @@ def _run_train(
     }
 
 
+def _run_script(opts: JobOptions, echo) -> dict[str, Any]:
+    """A user's training script, run as ``python SCRIPT ARGS`` would run it, in this process,
+    once the samplers are placed. Its own probe (``StepMemCallback`` or ``StepProbe``) finds
+    them by name; the job collects the step records, writes the store and prints the report."""
+    import runpy
+    import sys
+
+    argv, sys.argv = sys.argv, [str(opts.script), *opts.workload_args]
+    t0 = time.monotonic()
+    try:
+        runpy.run_path(str(opts.script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise RuntimeError(f"{opts.script} exited with status {exc.code}") from None
+    finally:
+        sys.argv = argv
+    seconds = time.monotonic() - t0
+    echo(f"script {opts.script} done in {seconds:.1f} s")
+    return {"script": str(opts.script), "args": list(opts.workload_args), "seconds": seconds}
+
+
 def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
     from collector.probe.core import StepProbe
 
+    if opts.script is not None:
+        return _run_script(opts, echo)
     probe = StepProbe(outbox=outbox)
     wl = workload_module(opts.workload)
     args = wl.parser().parse_args(opts.workload_args)
@@ -380,6 +404,10 @@ def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
 
 def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
+    if opts.script is not None and spec.kind == "replay":
+        raise ValueError(
+            "--script needs the live NVML backend (a GPU); replay plays recorded steps"
+        )
     if opts.train_workers and spec.kind == "replay":
         raise ValueError(
             "--train-workers needs the live NVML backend (a GPU); the replay backend plays "
@@ -394,6 +422,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         rate_hz=opts.rate_hz,
         run_id=opts.run_id,
         workload=opts.workload_label
+        or (f"script:{opts.script.stem}" if opts.script is not None else "")
         or (opts.workload if spec.kind == "nvml" else "replay:" + "+".join(opts.captures)),
         window_s=opts.window_s,
         metrics_addr=addr,

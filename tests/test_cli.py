@@ -74,6 +74,8 @@ def one_line_error(res, *needles):
         ),
         (["run", "--train-workers", "0"], ["--train-workers"]),
         (["run", "--train-workers", "2"], ["--train-workers needs the live NVML backend"]),
+        (["run", "--script", "/nonexistent/train.py"], ["/nonexistent/train.py", "no such file"]),
+        (["run", "--script", "README.md"], ["--script needs the live NVML backend"]),
         (["report", "/nonexistent/run"], ["/nonexistent/run"]),
         (["compare", "/nonexistent/a", "/nonexistent/b"], ["/nonexistent/a"]),
         (["capture", "--out", "x.parquet"], ["--duration"]),

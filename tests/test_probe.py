@@ -1,6 +1,7 @@
 """The step probe on the CPU: HF Trainer and plain-loop adapters over a tiny Llama, the ledger,
 and a missing or broken sampler costing training nothing."""
 
+import json
 import time
 
 import pytest
@@ -257,3 +258,36 @@ def test_a_workload_that_dies_fails_the_job_with_the_step_named():
         (2, ""),
         (3, "error:OutOfMemoryError"),
     ]
+
+
+def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
+    """`stepmem run --script train.py -- ARGS`: the script runs as __main__ with its argv, its
+    own probe (the three lines a user adds) takes its steps; a non-zero exit fails the job."""
+    from collector.job import JobOptions, _run_live
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, sys\n"
+        "from collector.probe.core import StepProbe\n"
+        "probe = StepProbe()\n"
+        "for i in range(1, 4):\n"
+        "    with probe.step(i):\n"
+        "        pass\n"
+        "probe.close()\n"
+        "json.dump({'argv': sys.argv[1:], 'name': __name__, 'steps': len(probe.records)},\n"
+        "          open(sys.argv[1], 'w'))\n"
+        "sys.exit(int(sys.argv[2]))\n"
+    )
+    out = tmp_path / "out.json"
+    ob = Outbox(None)
+    summary = _run_live(
+        JobOptions(script=script, workload_args=[str(out), "0"]), ob, lambda *_: None
+    )
+    assert json.loads(out.read_text()) == {
+        "argv": [str(out), "0"],
+        "name": "__main__",
+        "steps": 3,
+    }
+    assert summary["script"] == str(script)
+    with pytest.raises(RuntimeError, match="exited with status 3"):
+        _run_live(JobOptions(script=script, workload_args=[str(out), "3"]), ob, lambda *_: None)
