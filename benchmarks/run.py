@@ -178,7 +178,7 @@ def table(dirs: list[Path]) -> str:
             "(target ≥ 0.9×) |"
         )
         k = rate["actor_1khz"]
-        paced = f"; C paced {_pct(floor['c_paced_1khz_cpu_frac'])}" if floor else ""
+        paced = f"; C paced {100 * floor['c_paced_1khz_cpu_frac']:.1f} %" if floor else ""
         rows.append(
             f"| 1 kHz: rate, p99 gap, CPU of the sampling thread | {k['rate_hz']:.1f} Hz, "
             f"{k['gap_ms_p99']:.2f} ms, {100 * k['thread_cpu_frac']:.1f} % | pynvml paced "
