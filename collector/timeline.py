@@ -63,6 +63,7 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
                     if "reserved_bytes.all.current" not in te
                     else (te["reserved_bytes.all.current"] + base) / GIB,
                     "ledger": {k: (r.get("ledger") or {}).get(k, 0) / GIB for k in LEDGER},
+                    "error": r.get("error") or "",
                 }
             )
         panels.append(
@@ -87,6 +88,19 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
     for ax, p in zip(axes[:, 0], panels, strict=True):
         for k, s in enumerate(p["steps"]):
+            if s["error"]:  # a step that failed (OOM) or was interrupted
+                ax.axvspan(s["begin"], s["end"], color="#f4c7c3", zorder=0)
+                ax.text(
+                    s["end"],
+                    0.5,
+                    f" step {s['step']}: {s['error']}",
+                    transform=ax.get_xaxis_transform(),
+                    fontsize=8,
+                    color="#aa0000",
+                    rotation=90,
+                    va="center",
+                )
+                continue
             ax.axvspan(s["begin"], s["end"], color="#eeeeee" if k % 2 else "#f7f7f7", zorder=0)
             ax.text(
                 (s["begin"] + s["end"]) / 2,
@@ -149,7 +163,8 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("seconds since the first sample")
         ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0)
+        top = max([p["total"], *p["used"], *(s["nvml_peak"] for s in p["steps"])], default=0)
+        ax.set_ylim(bottom=0, top=top * 1.05 or None)  # the capacity line stays in view
         ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.suptitle(f"stepmem timeline — run {run.name}", fontsize=10)
     fig.tight_layout()
