@@ -47,6 +47,9 @@ class Prometheus:
         cfg = yaml.safe_load(CONFIG.read_text())  # the project's config, with test timings
         ms = f"{int(scrape_s * 1000)}ms"
         cfg["global"].update(scrape_interval=ms, scrape_timeout=ms)
+        # The rule files, by absolute path (the config is written elsewhere); no Alertmanager.
+        cfg["rule_files"] = [str(CONFIG.parent / f) for f in cfg.get("rule_files", [])]
+        cfg.pop("alerting", None)
         for job in cfg["scrape_configs"]:
             for sd in job.get("file_sd_configs", []):
                 sd["files"] = [str(self.targets / "*.json")]

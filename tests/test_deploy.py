@@ -95,3 +95,52 @@ def test_the_podmonitor_finds_every_gpus_sampler_and_only_on_gpu_workers(manifes
         expected = {ns.metrics_port + i for i in range(n_gpus)}
         assert {ports[e["port"]] for e in endpoints} == expected
         assert all(len(name) <= 15 for name in ports)  # Kubernetes' limit on port names
+
+
+@pytest.mark.ray
+def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmanager(tmp_path):
+    import json
+    import os
+    import subprocess
+    import urllib.request
+
+    from tests.conftest import wait_for
+    from tests.prom import free_port, require
+
+    require("prometheus")
+    import shutil
+
+    if shutil.which("alertmanager") is None:
+        require("prometheus-alertmanager")  # Debian's name for it
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
+    env = {
+        **os.environ,
+        "STEPMEM_LOCAL_DIR": str(tmp_path / "local"),
+        **{f"STEPMEM_{k}_PORT": str(v) for k, v in ports.items()},
+    }
+    up = ROOT / "deploy" / "local" / "up.sh"
+    down = ROOT / "deploy" / "local" / "down.sh"
+    try:
+        r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"http://127.0.0.1:{ports['DASHBOARD']}" in r.stdout
+
+        def get(port, path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+                return json.load(resp)
+
+        groups = get(ports["PROM"], "/api/v1/rules")["data"]["groups"]
+        names = {rule["name"] for g in groups for rule in g["rules"]}
+        assert {"StepMemPeakNearCapacity", "StepMemReservedGrowing"} <= names, names
+        want = [f"http://127.0.0.1:{ports['AM']}/api/v2/alerts"]
+
+        def active():
+            ams = get(ports["PROM"], "/api/v1/alertmanagers")["data"]["activeAlertmanagers"]
+            return [a["url"] for a in ams]
+
+        wait_for(lambda: active() == want, timeout=60)  # discovered shortly after start
+        assert get(ports["AM"], "/api/v2/status")["cluster"]["status"] in ("disabled", "ready")
+        assert get(ports["DASHBOARD"], "/api/version")["ray_version"]
+    finally:
+        d = subprocess.run([str(down)], env=env, capture_output=True, text=True, timeout=120)
+    assert d.stdout.count("stopped") == 3, d.stdout + d.stderr

@@ -37,6 +37,8 @@ def ray_head():
     dash = free_port()
     env = {
         **os.environ,
+        # as with an activated virtual environment: `python` in an entrypoint is this one
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep the node on 127.0.0.1
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
