@@ -21,12 +21,13 @@ Each step does a little matrix work on a resident ``--base-mib`` working set and
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from workloads import finish
 
 MIB = 1 << 20
 PATTERNS = ("leak", "allocator", "oom")
@@ -144,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if "needs a GPU" not in str(exc):
             raise
         p.error(str(exc))
-    if probe is not None:
-        probe.close()
-        summary["probe_cost_ns"] = probe.cost_ns
-    text = json.dumps(summary, indent=1)
-    if args.summary:
-        args.summary.write_text(text)
-    print(text)
-    return 0
+    return finish(summary, probe, args.summary)
 
 
 if __name__ == "__main__":

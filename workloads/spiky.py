@@ -15,12 +15,13 @@ exact reference for what NVML should have seen at the peak.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from workloads import finish
 
 MIB = 1 << 20
 
@@ -107,15 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from collector.probe.core import StepProbe
 
     probe = None if args.no_probe else StepProbe()
-    summary = run(args, probe)
-    if probe is not None:
-        probe.close()
-        summary["probe_cost_ns"] = probe.cost_ns
-    text = json.dumps(summary, indent=1)
-    if args.summary:
-        args.summary.write_text(text)
-    print(text)
-    return 0
+    return finish(run(args, probe), probe, args.summary)
 
 
 if __name__ == "__main__":
