@@ -124,6 +124,22 @@ def terminate_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def loopback_only_ray() -> None:
+    """Keep a single-machine Ray cluster that this process starts on 127.0.0.1. Ray replaces
+    127.0.0.1 by the machine's outward address (its "remotely reachable" IP) unless multi-node
+    clusters are switched off, which it reads from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` at
+    import (for this process) and in every process it starts (from the environment)."""
+    import os
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read when the node address is resolved
+    except (ImportError, AttributeError):  # another Ray: the environment variable still holds
+        pass
+
+
 def _init_ray(address: str | None) -> bool:
     """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
     loopback. Returns True when this process started a local cluster."""
@@ -134,7 +150,11 @@ def _init_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, namespace="stepmem")
         return False
+    loopback_only_ray()
     ray.init(
+        # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
+        # (a `ray start` head that may be long gone)
+        address="local",
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         namespace="stepmem",

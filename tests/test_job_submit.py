@@ -92,6 +92,11 @@ def ray_head():
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+        # `ray start` names its head in /tmp/ray/ray_current_cluster, and a stopped head stays
+        # there: a later bare `ray.init()` on this machine would wait for it.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip() == f"127.0.0.1:{ports['--port']}":
+            current.unlink()
 
 
 def _ray(args, env, timeout=120, check=True) -> subprocess.CompletedProcess:

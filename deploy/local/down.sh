@@ -16,3 +16,9 @@ for name in ray prometheus alertmanager; do
   rm -f "$pidfile"
   echo "stopped $name"
 done
+# `ray start` named this head in Ray's current-cluster file; a stopped head must not stay there
+# (a later bare `ray.init()` on this machine would wait for it).
+if [ -f "$dir/ray.address" ] && [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/null)" = "$(cat "$dir/ray.address")" ]; then
+  rm -f /tmp/ray/ray_current_cluster
+fi
+rm -f "$dir/ray.address"

@@ -33,6 +33,7 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT
   --port="$ray_port" --dashboard-port="$dash_port" --disable-usage-stats \
   > "$dir/ray.log" 2>&1 &
 echo $! > "$dir/ray.pid"
+echo "127.0.0.1:$ray_port" > "$dir/ray.address"
 
 ready() {  # up to 60 s
   python3 - "$1" <<'PY'
