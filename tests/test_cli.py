@@ -233,6 +233,9 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, reco
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell's background job starts with SIGINT ignored, and so would the child: give it
+        # the default disposition, as a terminal's Ctrl-C meets it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     meta = tmp_path / "runs" / "term" / "meta.json"
     deadline = time.monotonic() + 120
