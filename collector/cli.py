@@ -15,6 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+from workloads import WORKLOADS
+
 __all__ = ["main"]
 
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=positive_int, help="stop after this many steps (replay)")
     r.add_argument(
         "--workload",
-        choices=("finetune", "spiky", "patterns"),
+        choices=WORKLOADS,
         default="finetune",
         help="the workload to run on real GPUs (default finetune)",
     )
@@ -263,7 +265,8 @@ def _strip_dashes(args: list[str]) -> list[str]:
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
-    from collector.job import JobOptions, WorkloadFailed, check_workload_args, run_job
+    import workloads
+    from collector.job import JobOptions, WorkloadFailed, run_job
 
     if ns.script is not None:
         if not ns.script.is_file():
@@ -271,7 +274,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         if ns.train_workers:
             raise UserError("stepmem run: --script and --train-workers do not go together")
     else:
-        check_workload_args(ns.workload, _strip_dashes(ns.workload_args))
+        workloads.parse(ns.workload, _strip_dashes(ns.workload_args))  # before anything starts
     remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+import workloads
 from collector.export.file_sd import TargetsRefresher, write_targets
 from collector.placement import (
     BackendSpec,
@@ -251,18 +252,6 @@ def _replay_events(
     return done
 
 
-WORKLOADS = ("finetune", "spiky", "patterns")
-
-
-def workload_module(name: str) -> Any:
-    """The module of a built-in workload; ``ValueError`` for an unknown name."""
-    import importlib
-
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
-    return importlib.import_module(f"workloads.{name}")
-
-
 @ray.remote(num_cpus=0)
 class _Summaries:
     """Where Ray Train workers leave their summaries for the driver (Ray Train 2 keeps reported
@@ -278,40 +267,17 @@ class _Summaries:
         return self.by_rank
 
 
-def check_workload_args(name: str, args: list[str]) -> None:
-    """Parse a workload's arguments before anything starts; ``ValueError`` with argparse's
-    message on one line (an unknown optimizer, a bad size), never a usage dump."""
-    wl = workload_module(name)
-    p = wl.parser()
-
-    def error(message: str) -> None:
-        raise ValueError(f"workload {name}: {message}")
-
-    p.error = error  # type: ignore[method-assign]
-    ns = p.parse_args(args)
-    if name == "patterns":  # its defaults only check values; finetune's look at the GPU
-        wl.defaults(ns)
-
-
 def _train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: the workload under its own probe, which finds this node's sampler
     for the worker's GPU by name. Leaves its step count and step times for the driver."""
     import ray.train
 
+    import workloads
     from collector.probe.core import StepProbe
 
-    wl = workload_module(config["workload"])
-    args = wl.parser().parse_args(config["args"])
-    if hasattr(wl, "defaults"):
-        args = wl.defaults(args)
+    wl, args = workloads.parse(config["workload"], config["args"])
     probe = StepProbe(gpu_uuids=config.get("gpu_uuids"))
-    try:
-        summary = wl.run(args, probe)
-    except BaseException as exc:
-        probe.fail(exc)
-        raise
-    finally:
-        probe.close()
+    summary = workloads.run(wl, args, probe)
     rank = ray.train.get_context().get_world_rank()
     box = ray.get_actor(config["summaries"], namespace="stepmem")
     out = {
@@ -335,7 +301,7 @@ def _run_train(
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    workload_module(opts.workload)  # an unknown name fails here, not in a worker
+    workloads.parse(opts.workload, opts.workload_args)  # bad input fails here, not in a worker
     name = f"stepmem-train-summaries-{uuid.uuid4().hex[:12]}"
     box = _Summaries.options(name=name, namespace="stepmem").remote()
     storage = (
@@ -403,18 +369,9 @@ def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
 
     if opts.script is not None:
         return _run_script(opts, echo)
+    wl, args = workloads.parse(opts.workload, opts.workload_args)
     probe = StepProbe(outbox=outbox)
-    wl = workload_module(opts.workload)
-    args = wl.parser().parse_args(opts.workload_args)
-    if hasattr(wl, "defaults"):
-        args = wl.defaults(args)
-    try:
-        summary = wl.run(args, probe)
-    except BaseException as exc:
-        probe.fail(exc)  # a step the workload left open (the HF callback's) ends as failed
-        raise
-    finally:
-        probe.close()
+    summary = workloads.run(wl, args, probe)
     summary["probe_cost_ns"] = probe.cost_ns
     summary["probe_devices"] = [str(d) for d in probe.devices]
     summary["probe_dropped"] = dict(probe.outbox.dropped)

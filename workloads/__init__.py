@@ -1,10 +1,59 @@
 """Real training workloads for stepmem: ``finetune`` (the seed scenario), ``spiky`` (known
-transients) and ``patterns`` (a leak, an allocator jump, an OOM)."""
+transients) and ``patterns`` (a leak, an allocator jump, an OOM).
+
+Each is a module with ``parser()``, ``run(args, probe)`` and optionally ``check(args)`` (validates
+values, raises ``ValueError``; no GPU needed) and ``defaults(args)`` (fills what depends on the
+machine, at run time). The job and the command line go through :func:`parse` and :func:`run`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 from typing import Any
+
+WORKLOADS = ("finetune", "spiky", "patterns")
+
+
+def load(name: str) -> Any:
+    """The module of a built-in workload; ``ValueError`` for an unknown name."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+    return importlib.import_module(f"workloads.{name}")
+
+
+def parse(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
+    """The workload's module and its parsed, checked arguments; ``ValueError`` with one line
+    (argparse's message or the workload's check), never a usage dump or an exit."""
+    wl = load(name)
+    p = wl.parser()
+
+    def error(message: str) -> None:
+        raise ValueError(f"workload {name}: {message}")
+
+    p.error = error  # type: ignore[method-assign]
+    args = p.parse_args(argv)
+    if hasattr(wl, "check"):
+        try:
+            wl.check(args)
+        except ValueError as exc:
+            error(str(exc))
+    return wl, args
+
+
+def run(wl: Any, args: argparse.Namespace, probe: Any) -> dict[str, Any]:
+    """Run a parsed workload under ``probe``: a step the workload leaves open when it raises
+    (the HF callback's) ends as failed; the probe is closed either way."""
+    if hasattr(wl, "defaults"):
+        args = wl.defaults(args)
+    try:
+        return wl.run(args, probe)
+    except BaseException as exc:
+        probe.fail(exc)
+        raise
+    finally:
+        probe.close()
 
 
 def finish(summary: dict[str, Any], probe: Any, summary_path: Any) -> int:

@@ -21,6 +21,7 @@ Each step does a little matrix work on a resident ``--base-mib`` working set and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -31,6 +32,7 @@ from workloads import finish
 
 MIB = 1 << 20
 PATTERNS = ("leak", "allocator", "oom")
+OOM_NEEDS_GPU = "the oom pattern needs a GPU (it fills the card until it fails)"
 
 
 def _block_bytes(args: argparse.Namespace, step: int) -> int:
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if args.pattern == "oom" and not cuda:
-        raise RuntimeError("the oom pattern needs a GPU (it fills the card until it fails)")
+        raise RuntimeError(OOM_NEEDS_GPU)
     base = torch.randn(args.base_mib * MIB // 4, device=dev)
     w = torch.randn(1024, 1024, device=dev)
     out = torch.empty(1024, 1024, device=dev)
@@ -56,9 +58,8 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     steps = args.steps if args.pattern != "oom" else max(args.steps, 10_000)
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
-        if probe is not None:
-            probe.begin(i)
-        try:
+        # a step that raises (the OOM) is recorded as failed by the probe, then goes on
+        with probe.step(i) if probe is not None else contextlib.nullcontext():
             torch.matmul(base[: 1024 * 1024].view(1024, 1024), w, out=out)
             entry: dict[str, Any] = {"step": i}
             if args.pattern in ("leak", "oom"):
@@ -79,13 +80,6 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
             rest = args.step_ms / 1000 - (time.perf_counter() - t0)
             if rest > 0:
                 time.sleep(rest)
-        except BaseException as exc:
-            if probe is not None:
-                probe.fail(exc)
-            plan.append({"step": i, "failed": type(exc).__name__})
-            raise
-        if probe is not None:
-            probe.end()
         times.append(time.perf_counter() - t0)
         plan.append(entry)
         if args.pause_ms:
@@ -115,37 +109,41 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill pattern-dependent defaults; ``ValueError`` names a bad value."""
-    if args.leak_mib is None:
-        args.leak_mib = 12 * 1024 if args.pattern == "oom" else 256
+def check(args: argparse.Namespace) -> None:
+    """``ValueError`` naming a bad value."""
     for name in ("steps", "leak_mib", "block_mib", "working_mib"):
-        if getattr(args, name) < 1:
+        value = getattr(args, name)
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.base_mib < 4:
         raise ValueError("--base-mib must be >= 4 (the step's matrix work reads 4 MiB of it)")
     if args.grow_steps < 0 or args.step_ms < 0 or args.pause_ms < 0:
         raise ValueError("--grow-steps, --step-ms and --pause-ms must be >= 0")
+
+
+def defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill pattern-dependent defaults."""
+    if args.leak_mib is None:
+        args.leak_mib = 12 * 1024 if args.pattern == "oom" else 256
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     p = parser()
+    args = p.parse_args(argv)
     try:
-        args = defaults(p.parse_args(argv))
+        check(args)
     except ValueError as exc:
         p.error(str(exc))
+    import torch
+
+    if args.pattern == "oom" and not torch.cuda.is_available():
+        p.error(OOM_NEEDS_GPU)
     from collector.probe.core import StepProbe
 
     probe = None if args.no_probe else StepProbe()
-    try:
-        summary = run(args, probe)
-    except RuntimeError as exc:
-        if "needs a GPU" not in str(exc):
-            raise
-        p.error(str(exc))
-    return finish(summary, probe, args.summary)
+    return finish(run(defaults(args), probe), probe, args.summary)
 
 
 if __name__ == "__main__":

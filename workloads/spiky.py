@@ -95,16 +95,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check(args: argparse.Namespace) -> None:
+    """``ValueError`` naming a bad value."""
+    parse_spikes(args.spikes)
+    if args.steps < 1 or args.base_mib < 1:
+        raise ValueError("--steps and --base-mib must be >= 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     p = parser()
     args = p.parse_args(argv)
     try:
-        parse_spikes(args.spikes)
+        check(args)
     except ValueError as exc:
         p.error(str(exc))
-    if args.steps < 1 or args.base_mib < 1:
-        p.error("--steps and --base-mib must be >= 1")
     from collector.probe.core import StepProbe
 
     probe = None if args.no_probe else StepProbe()
