@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 from collector.sampler import DEFAULT_CAPACITY
 
@@ -48,14 +48,7 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=900.0)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace="stepmem",
-        configure_logging=False,
-        log_to_driver=False,
-    )
+    start_local_ray(log_to_driver=False)
     placed = launch_samplers(
         BackendSpec("replay", captures=["adamw_8bit"], gpus=a.gpus),
         SamplerOptions(rate_hz=0.0, metrics_addr="127.0.0.1", run_id="long-run"),

@@ -26,6 +26,7 @@ import numpy as np
 import ray
 
 from collector.export.values import nontorch_bytes
+from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, forget_samplers, launch_samplers
 from collector.probe.core import StepProbe
 from workloads import spiky
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--spikes", default="2048:2,1024:5,4096:20,512:50,3072:3")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace="stepmem")
+    start_local_ray(configure_logging=True)
     rng = np.random.default_rng(0)
     result: dict = {"steps": a.steps, "spikes": a.spikes, "rates": {}, "peers": {}}
     trace = None

@@ -19,6 +19,7 @@ import numpy as np
 import pynvml
 import ray
 
+from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 
 
@@ -86,7 +87,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace="stepmem")
+    start_local_ray(configure_logging=True)
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     result: dict = {"rounds": []}

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig
+from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 from tests.prom import Prometheus
 
@@ -93,13 +94,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace="stepmem",
-        configure_logging=False,
-        log_to_driver=False,
-    )
+    start_local_ray(log_to_driver=False)
     rows = []
     with tempfile.TemporaryDirectory(prefix="stepmem-scale-") as tmp:
         prom = Prometheus(Path(tmp)).start()

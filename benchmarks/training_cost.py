@@ -23,6 +23,7 @@ import numpy as np
 import ray
 import torch
 
+from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, forget_samplers, launch_samplers
 from collector.probe.core import StepProbe
 from workloads.finetune import SHAPES, build_model
@@ -40,7 +41,7 @@ def main() -> None:
     a = ap.parse_args()
     import bitsandbytes as bnb
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace="stepmem")
+    start_local_ray(configure_logging=True)
     model = build_model("7b", a.seq_len, None)
     model.gradient_checkpointing_enable()
     model.train()

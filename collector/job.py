@@ -33,7 +33,7 @@ from collector.records import StepEvent, StepRecord
 from collector.replay import Capture, resolve_capture
 from collector.store import RunWriter
 
-__all__ = ["JobOptions", "WorkloadFailed", "run_job"]
+__all__ = ["JobOptions", "WorkloadFailed", "run_job", "start_local_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,13 @@ def _init_ray(address: str | None) -> bool:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, namespace="stepmem")
         return False
+    start_local_ray()
+    return True
+
+
+def start_local_ray(**options: Any) -> None:
+    """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
+    without a cluster, the benchmarks). ``options`` go to ``ray.init``."""
     loopback_only_ray()
     ray.init(
         # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
@@ -159,9 +166,8 @@ def _init_ray(address: str | None) -> bool:
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         namespace="stepmem",
-        configure_logging=False,
+        **{"configure_logging": False, **options},
     )
-    return True
 
 
 class _Drainer:
@@ -381,13 +387,10 @@ def _run_live(opts: JobOptions, outbox: Outbox, echo) -> dict[str, Any]:
 
 def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
-    if opts.script is not None and spec.kind == "replay":
+    live_only = "--script" if opts.script else "--train-workers" if opts.train_workers else ""
+    if live_only and spec.kind == "replay":
         raise ValueError(
-            "--script needs the live NVML backend (a GPU); replay plays recorded steps"
-        )
-    if opts.train_workers and spec.kind == "replay":
-        raise ValueError(
-            "--train-workers needs the live NVML backend (a GPU); the replay backend plays "
+            f"{live_only} needs the live NVML backend (a GPU); the replay backend plays "
             "recorded steps"
         )
     echo(banner)
