@@ -152,9 +152,8 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
     if not recs:
         return [Finding("empty", "No complete step was recorded.")]
     has_torch = _te(recs[0], "reserved_bytes.all.current") is not None
-    every, recs = recs, [r for r in recs if not r.get("error")]  # steps that ended
-    if not recs:
-        recs = every
+    all_steps = recs  # rules 5 and 6 read every step, a failed one included
+    recs = [r for r in recs if not r.get("error")] or all_steps  # rules 1-4: steps that ended
 
     # 1. steady state, or growth
     k = _steady_from(recs) if len(recs) >= 3 else None
@@ -336,10 +335,9 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         )
     # 5. transients
-    recs = every
     spikes = [
         r
-        for r in recs
+        for r in all_steps
         if r["nvml_peak_bytes"] - r["nvml_end_bytes"]
         > max(TRANSIENT_BYTES, 0.05 * r["nvml_end_bytes"])
     ]
@@ -348,7 +346,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
         out.append(
             Finding(
                 "transient",
-                f"{len(spikes)} of {len(recs)} steps peak well above their end-of-step "
+                f"{len(spikes)} of {len(all_steps)} steps peak well above their end-of-step "
                 f"reading; the largest, step {big['step']}, rose "
                 f"{g(big['nvml_peak_bytes'] - big['nvml_end_bytes'])} above its end "
                 "reading and fell back inside the step.",
@@ -360,7 +358,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         )
     # 6. headroom and OOM
-    top = max(recs, key=lambda r: r["nvml_peak_bytes"])
+    top = max(all_steps, key=lambda r: r["nvml_peak_bytes"])
     if total_bytes:
         out.append(
             Finding(
@@ -373,7 +371,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         )
     prev_ooms, prev = 0, None
-    for r in recs:
+    for r in all_steps:
         ooms = _te(r, "num_ooms") or 0
         error = r.get("error") or ""
         if ooms > prev_ooms or "OutOfMemory" in error:
