@@ -27,6 +27,7 @@ development machine) into one table, written to the first directory.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ PARTS = ("rate", "floor", "smi", "peak", "cost", "scale", "export")
 GPU_PARTS = {"rate", "floor", "smi", "peak", "cost"}
 
 
+@functools.cache
 def have_gpu() -> bool:
     try:
         import pynvml
