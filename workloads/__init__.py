@@ -56,6 +56,16 @@ def run(wl: Any, args: argparse.Namespace, probe: Any) -> dict[str, Any]:
         probe.close()
 
 
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Options the small GPU workloads (``spiky``, ``patterns``) share."""
+    from pathlib import Path
+
+    p.add_argument("--base-mib", type=int, default=1024, help="resident working set (MiB)")
+    p.add_argument("--pause-ms", type=float, default=10.0, help="idle time between steps")
+    p.add_argument("--no-probe", action="store_true")
+    p.add_argument("--summary", type=Path, help="also write the summary (JSON) here")
+
+
 def finish(summary: dict[str, Any], probe: Any, summary_path: Any) -> int:
     """The end of a workload run as a script: close its probe, print the summary as JSON (and
     write it to ``summary_path`` if given)."""

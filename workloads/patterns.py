@@ -25,10 +25,9 @@ import contextlib
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from workloads import finish
+from workloads import add_common_args, finish
 
 MIB = 1 << 20
 PATTERNS = ("leak", "allocator", "oom")
@@ -101,11 +100,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-mib", type=int, default=256, help="first block size (allocator)")
     p.add_argument("--working-mib", type=int, default=4096, help="live blocks a step (allocator)")
     p.add_argument("--grow-steps", type=int, default=3, help="steps whose blocks grow (allocator)")
-    p.add_argument("--base-mib", type=int, default=1024, help="resident working set (MiB)")
     p.add_argument("--step-ms", type=float, default=100.0, help="shortest step (ms)")
-    p.add_argument("--pause-ms", type=float, default=10.0, help="idle time between steps")
-    p.add_argument("--no-probe", action="store_true")
-    p.add_argument("--summary", type=Path)
+    add_common_args(p)
     return p
 
 

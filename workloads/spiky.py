@@ -18,10 +18,9 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from workloads import finish
+from workloads import add_common_args, finish
 
 MIB = 1 << 20
 
@@ -88,10 +87,7 @@ def parser() -> argparse.ArgumentParser:
         default="2048:2,1024:5,4096:20,512:50",
         help="transients as SIZE_MIB:HOLD_MS, comma-separated, used in turn",
     )
-    p.add_argument("--base-mib", type=int, default=1024, help="resident working set (MiB)")
-    p.add_argument("--pause-ms", type=float, default=10.0, help="idle time between steps")
-    p.add_argument("--no-probe", action="store_true")
-    p.add_argument("--summary", type=Path)
+    add_common_args(p)
     return p
 
 
