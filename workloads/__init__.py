@@ -42,6 +42,24 @@ def parse(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
     return wl, args
 
 
+def script_args(
+    wl: Any, argv: list[str] | None
+) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """A workload run as a script: its parser and its parsed, checked arguments; a bad value
+    exits 2 with argparse's usage line."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    p = wl.parser()
+    args = p.parse_args(argv)
+    if hasattr(wl, "check"):
+        try:
+            wl.check(args)
+        except ValueError as exc:
+            p.error(str(exc))
+    return p, args
+
+
 def run(wl: Any, args: argparse.Namespace, probe: Any) -> dict[str, Any]:
     """Run a parsed workload under ``probe``: a step the workload leaves open when it raises
     (the HF callback's) ends as failed; the probe is closed either way."""

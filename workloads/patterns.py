@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import time
 from typing import Any
 
-from workloads import add_common_args, finish
+from workloads import add_common_args, finish, script_args
 
 MIB = 1 << 20
 PATTERNS = ("leak", "allocator", "oom")
@@ -125,13 +124,7 @@ def defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING)
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        check(args)
-    except ValueError as exc:
-        p.error(str(exc))
+    p, args = script_args(sys.modules[__name__], argv)
     import torch
 
     if args.pattern == "oom" and not torch.cuda.is_available():

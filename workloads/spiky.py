@@ -15,12 +15,11 @@ exact reference for what NVML should have seen at the peak.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from typing import Any
 
-from workloads import add_common_args, finish
+from workloads import add_common_args, finish, script_args
 
 MIB = 1 << 20
 
@@ -99,13 +98,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING)
-    p = parser()
-    args = p.parse_args(argv)
-    try:
-        check(args)
-    except ValueError as exc:
-        p.error(str(exc))
+    _, args = script_args(sys.modules[__name__], argv)
     from collector.probe.core import StepProbe
 
     probe = None if args.no_probe else StepProbe()
