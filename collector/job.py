@@ -433,6 +433,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     summary: dict[str, Any] = {}
     status = "failed"
     error: BaseException | None = None
+    error_text = None  # "Type: message" of the workload's exception, for the store and --out
     try:
         if replay:
             # Align playback now that every sampler runs: the first recorded step starts in
@@ -461,6 +462,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             raise
         # The workload died (e.g. a CUDA OOM): keep everything, report it, then fail the job.
         error = exc
+        error_text = f"{type(exc).__name__}: {exc}"[:2000]
         echo(f"workload {opts.workload} failed: {type(exc).__name__}")
     finally:
         outbox.close()
@@ -489,7 +491,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
                 samples_lost=drainer.samples_lost,
                 samplers_unreachable=drainer.unreachable,
                 workload_summary=summary,
-                error=None if error is None else f"{type(error).__name__}: {error}"[:2000],
+                error=error_text,
             )
         if refresher is not None:
             refresher.stop()
@@ -508,8 +510,8 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             "health": health,
             "workload": summary,
         }
-        if error is not None:
-            doc["error"] = f"{type(error).__name__}: {error}"[:2000]
+        if error_text is not None:
+            doc["error"] = error_text
         opts.out.write_text(json.dumps(doc, indent=1))
         echo(f"step records written to {opts.out}")
     if error is not None:
