@@ -33,13 +33,19 @@ def parse(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
         raise ValueError(f"workload {name}: {message}")
 
     p.error = error  # type: ignore[method-assign]
+    return wl, _checked(wl, p, argv, error)
+
+
+def _checked(wl: Any, p: argparse.ArgumentParser, argv: list[str] | None, error: Any) -> Any:
+    """``argv`` parsed by ``p`` and checked by the workload's ``check``; ``error(message)``
+    for a value the check refuses."""
     args = p.parse_args(argv)
     if hasattr(wl, "check"):
         try:
             wl.check(args)
         except ValueError as exc:
             error(str(exc))
-    return wl, args
+    return args
 
 
 def script_args(
@@ -51,13 +57,7 @@ def script_args(
 
     logging.basicConfig(level=logging.WARNING)
     p = wl.parser()
-    args = p.parse_args(argv)
-    if hasattr(wl, "check"):
-        try:
-            wl.check(args)
-        except ValueError as exc:
-            p.error(str(exc))
-    return p, args
+    return p, _checked(wl, p, argv, p.error)
 
 
 def run(wl: Any, args: argparse.Namespace, probe: Any) -> dict[str, Any]:
