@@ -51,8 +51,8 @@ POOL_SHARE = 0.8
 
 @dataclass
 class Finding:
-    rule: str  # steady_state growing jump nontorch cache transient headroom oom failed
-    # interrupted empty
+    rule: str  # unmeasured steady_state growing jump nontorch cache transient headroom oom
+    # failed interrupted empty
     text: str
     numbers: dict[str, Any] = field(default_factory=dict)
 
@@ -72,7 +72,7 @@ def _te(r: dict[str, Any], key: str) -> int | None:
 
 def _nontorch(r: dict[str, Any]) -> int | None:
     res = _te(r, "reserved_bytes.all.current")
-    if res is None:
+    if res is None or r.get("nvml_end_bytes") is None:
         return None
     return r["nvml_end_bytes"] - res - (_te(r, "context_baseline_bytes") or 0)
 
@@ -134,31 +134,56 @@ def _steady_from(recs: list[dict[str, Any]]) -> int | None:
     return start
 
 
-def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
-    """Findings for one GPU's records (sorted by step)."""
-    # Records of a run that died may lack fields: read them as zero rather than fail.
-    recs = sorted(
-        (
-            {
-                **r,
-                "nvml_peak_bytes": r.get("nvml_peak_bytes") or 0,
-                "nvml_end_bytes": r.get("nvml_end_bytes") or 0,
-            }
-            for r in recs
-        ),
-        key=lambda r: r["step"],
+def _steps_text(steps: list[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1–3, 7``."""
+    parts, run = [], [steps[0]]
+    for s in steps[1:]:
+        if s == run[-1] + 1:
+            run.append(s)
+            continue
+        parts.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [s]
+    parts.append(f"{run[0]}–{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(parts)
+
+
+def _unmeasured(recs: list[dict[str, Any]]) -> Finding | None:
+    """Steps without NVML samples: named, counted and left out of every NVML figure."""
+    missing = [r for r in recs if r.get("nvml_peak_bytes") is None]
+    if not missing:
+        return None
+    why = sorted({r.get("gap") or "no_samples" for r in missing})
+    return Finding(
+        "unmeasured",
+        f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
+        f"{_steps_text([r['step'] for r in missing])}; {', '.join(why)}): the sampler read "
+        "nothing inside them — steps shorter than the sampling period (a replay sped up "
+        "with --speed, a fast workload at a low --rate), a sampler starved of CPU, or NVML "
+        "errors. Their NVML figures are unknown, not zero; the findings below leave them out.",
+        {"steps": len(missing), "of": len(recs), "gaps": why},
     )
+
+
+def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
+    """Findings for one GPU's records (sorted by step). A step without NVML samples has None
+    NVML figures (never 0 bytes): it is named and left out of every rule that reads NVML."""
+    recs = sorted(recs, key=lambda r: r["step"])
     out: list[Finding] = []
     if not recs:
         return [Finding("empty", "No complete step was recorded.")]
+    unmeasured = _unmeasured(recs)
+    if unmeasured is not None:
+        out.append(unmeasured)
     has_torch = _te(recs[0], "reserved_bytes.all.current") is not None
     all_steps = recs  # rules 5 and 6 read every step, a failed one included
     recs = [r for r in recs if not r.get("error")] or all_steps  # rules 1-4: steps that ended
+    ended = [r for r in recs if r.get("nvml_end_bytes") is not None]  # NVML end measured
+    peaked = [r for r in all_steps if r.get("nvml_peak_bytes") is not None]
 
-    # 1. steady state, or growth
-    k = _steady_from(recs) if len(recs) >= 3 else None
-    if k is not None and len(recs) - k >= 2:
-        first = recs[k]
+    # 1. steady state, or growth (steps whose end NVML reading exists)
+    k = _steady_from(ended) if len(ended) >= 3 else None
+    if k is not None and len(ended) - k >= 2:
+        first = ended[k]
         out.append(
             Finding(
                 "steady_state",
@@ -169,25 +194,25 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 {"step": first["step"]},
             )
         )
-    elif len(recs) >= 3:
-        n = len(recs) - 1
+    elif len(ended) >= 3:
+        n = len(ended) - 1
         rates = {
             "torch allocated": (
-                (_te(recs[-1], "allocated_bytes.all.current") or 0)
-                - (_te(recs[0], "allocated_bytes.all.current") or 0)
+                (_te(ended[-1], "allocated_bytes.all.current") or 0)
+                - (_te(ended[0], "allocated_bytes.all.current") or 0)
             )
             / n,
             "torch reserved": (
-                (_te(recs[-1], "reserved_bytes.all.current") or 0)
-                - (_te(recs[0], "reserved_bytes.all.current") or 0)
+                (_te(ended[-1], "reserved_bytes.all.current") or 0)
+                - (_te(ended[0], "reserved_bytes.all.current") or 0)
             )
             / n,
         }
         if has_torch:
             rates["outside the allocator"] = (
-                (_nontorch(recs[-1]) or 0) - (_nontorch(recs[0]) or 0)
+                (_nontorch(ended[-1]) or 0) - (_nontorch(ended[0]) or 0)
             ) / n
-        rates["NVML used"] = (recs[-1]["nvml_end_bytes"] - recs[0]["nvml_end_bytes"]) / n
+        rates["NVML used"] = (ended[-1]["nvml_end_bytes"] - ended[0]["nvml_end_bytes"]) / n
         fastest = max(rates.values())
         pool = next(p for p in rates if rates[p] >= POOL_SHARE * fastest)
         why = {
@@ -203,7 +228,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 "growing",
                 f"No steady state: end-of-step memory still grows at the last step; "
                 f"{pool} grows {_size(rates[pool])} a step on average over steps "
-                f"{recs[0]['step']}–{recs[-1]['step']}: {why}.",
+                f"{ended[0]['step']}–{ended[-1]['step']}: {why}.",
                 {"pool": pool, "bytes_per_step": rates[pool]},
             )
         )
@@ -283,10 +308,12 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
         _flush_live(live, out)
 
     last = recs[-1]
-    # 3. memory outside the allocator
-    nt = _nontorch(last)
+    # 3. memory outside the allocator (at the last step whose end NVML reading exists)
+    nt = _nontorch(ended[-1]) if ended else None
     if nt is not None:
-        managed = (last.get("ledger") or {}).get("optimizer_state_managed", 0)
+        last_nt = ended[-1]
+    if nt is not None:
+        managed = (last_nt.get("ledger") or {}).get("optimizer_state_managed", 0)
         if managed > JUMP_BYTES:
             out.append(
                 Finding(
@@ -337,8 +364,9 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
     # 5. transients
     spikes = [
         r
-        for r in all_steps
-        if r["nvml_peak_bytes"] - r["nvml_end_bytes"]
+        for r in peaked
+        if r.get("nvml_end_bytes") is not None
+        and r["nvml_peak_bytes"] - r["nvml_end_bytes"]
         > max(TRANSIENT_BYTES, 0.05 * r["nvml_end_bytes"])
     ]
     if spikes:
@@ -346,7 +374,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
         out.append(
             Finding(
                 "transient",
-                f"{len(spikes)} of {len(all_steps)} steps peak well above their end-of-step "
+                f"{len(spikes)} of {len(peaked)} measured steps peak well above their end-of-step "
                 f"reading; the largest, step {big['step']}, rose "
                 f"{g(big['nvml_peak_bytes'] - big['nvml_end_bytes'])} above its end "
                 "reading and fell back inside the step.",
@@ -358,8 +386,8 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         )
     # 6. headroom and OOM
-    top = max(all_steps, key=lambda r: r["nvml_peak_bytes"])
-    if total_bytes:
+    top = max(peaked, key=lambda r: r["nvml_peak_bytes"]) if peaked else None
+    if total_bytes and top is not None:
         out.append(
             Finding(
                 "headroom",
@@ -375,19 +403,20 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
         ooms = _te(r, "num_ooms") or 0
         error = r.get("error") or ""
         if ooms > prev_ooms or "OutOfMemory" in error:
-            text = (
-                f"Step {r['step']} hit a CUDA out-of-memory error"
-                + (" and failed" if error else "")
-                + f"; the NVML peak inside it reached {g(r['nvml_peak_bytes'])}"
+            text = f"Step {r['step']} hit a CUDA out-of-memory error" + (
+                " and failed" if error else ""
             )
-            if total_bytes:
-                text += f" of the card's {g(total_bytes)}"
-            nums = {"step": r["step"], "peak": r["nvml_peak_bytes"], "failed": bool(error)}
-            if prev is not None:
-                text += (
-                    f"; step {prev['step']} before it peaked at {g(prev['nvml_peak_bytes'])} "
-                    f"and ended at {g(prev['nvml_end_bytes'])}"
-                )
+            if r.get("nvml_peak_bytes") is None:
+                text += "; NVML has no sample inside it"
+            else:
+                text += f"; the NVML peak inside it reached {g(r['nvml_peak_bytes'])}"
+                if total_bytes:
+                    text += f" of the card's {g(total_bytes)}"
+            nums = {"step": r["step"], "peak": r.get("nvml_peak_bytes"), "failed": bool(error)}
+            if prev is not None and prev.get("nvml_peak_bytes") is not None:
+                text += f"; step {prev['step']} before it peaked at {g(prev['nvml_peak_bytes'])}"
+                if prev.get("nvml_end_bytes") is not None:
+                    text += f" and ended at {g(prev['nvml_end_bytes'])}"
                 nums["previous_peak"] = prev["nvml_peak_bytes"]
             alloc = _te(r, "allocated_bytes.all.current")
             if alloc is not None:
@@ -410,9 +439,13 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             out.append(
                 Finding(
                     "failed",
-                    f"Step {r['step']} failed with {error}; its NVML peak was "
-                    f"{g(r['nvml_peak_bytes'])}.",
-                    {"step": r["step"], "error": error, "peak": r["nvml_peak_bytes"]},
+                    f"Step {r['step']} failed with {error}; "
+                    + (
+                        "NVML has no sample inside it."
+                        if r.get("nvml_peak_bytes") is None
+                        else f"its NVML peak was {g(r['nvml_peak_bytes'])}."
+                    ),
+                    {"step": r["step"], "error": error, "peak": r.get("nvml_peak_bytes")},
                 )
             )
         prev_ooms, prev = ooms, r

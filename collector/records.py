@@ -129,6 +129,8 @@ class StepRecord:
     after ``end_ns`` — the device once everything freed before the end mark is gone (the sample
     before the mark may predate a final ``empty_cache``); it may include up to one sampling period
     of the next step. Without such a sample (within the gap threshold) it is the last one before.
+    A step without samples (``gap == "no_samples"``) has no NVML figures: peak, peak time,
+    minimum and the end reading are None ("not measured", never 0 bytes).
     ``gap`` names why the window may have missed samples: ``""`` (none),
     ``"no_samples"``, ``"sampler_started"`` (the sampler started after the step began, e.g. after a
     restart), ``"overrun"`` (the ring buffer no longer holds the start of the window) or
@@ -143,11 +145,11 @@ class StepRecord:
     begin_ns: int
     end_ns: int
     samples: int
-    nvml_peak_bytes: int
-    nvml_peak_t_ns: int
-    nvml_min_bytes: int
-    nvml_end_bytes: int
-    nvml_reserved_bytes: int
+    nvml_peak_bytes: int | None
+    nvml_peak_t_ns: int | None
+    nvml_min_bytes: int | None
+    nvml_end_bytes: int | None
+    nvml_reserved_bytes: int | None
     gap: str = ""
     torch_allocated_peak_bytes: int | None = None
     torch_reserved_peak_bytes: int | None = None

@@ -353,7 +353,10 @@ class StepJoiner:
         self.rejected: Counter[str] = Counter()
         self._open: dict[int, tuple[StepEvent, list[StepEvent]]] = {}
         self._pending: list[tuple[StepEvent, StepEvent, list[StepEvent]]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # events in, pending out
+        # One poll at a time, and ``records`` read under it: the join thread polls while Ray
+        # calls read, and a record must never land behind a newer step a reader already saw.
+        self._records_lock = threading.Lock()
 
     def add(self, ev: StepEvent) -> None:
         with self._lock:
@@ -380,17 +383,27 @@ class StepJoiner:
 
     def poll(self, force: bool = False) -> list[StepRecord]:
         """Join every pending step whose window the sampler has covered; ``force`` joins all."""
-        last = self.sampler.ring.last()
-        newest = last[0] if last else 0
-        with self._lock:
-            ready, waiting = [], []
-            for p in self._pending:
-                (ready if force or p[1].t_ns < newest else waiting).append(p)
-            self._pending = waiting
-        out = [self.join(b, e, ph) for b, e, ph in ready]
-        self.records.extend(out)
-        self.joined += len(out)
+        with self._records_lock:
+            last = self.sampler.ring.last()
+            newest = last[0] if last else 0
+            with self._lock:
+                ready, waiting = [], []
+                for p in self._pending:
+                    (ready if force or p[1].t_ns < newest else waiting).append(p)
+                self._pending = waiting
+            out = [self.join(b, e, ph) for b, e, ph in ready]
+            self.records.extend(out)
+            self.joined += len(out)
         return out
+
+    def records_since(self, step: int) -> list[StepRecord]:
+        """A copy of the kept records with ``step > step`` (safe while the join thread polls)."""
+        with self._records_lock:
+            return [r for r in self.records if r.step > step]
+
+    def newest(self) -> StepRecord | None:
+        with self._records_lock:
+            return self.records[-1] if self.records else None
 
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:
         ring, sampler = self.sampler.ring, self.sampler
@@ -410,11 +423,14 @@ class StepJoiner:
         at_end = ring.value_after(end.t_ns)
         if at_end is None or at_end[0] - end.t_ns > sampler.gap_threshold_ns:
             at_end = ring.value_at(end.t_ns)
-        if len(w):
+        # A step without samples has no NVML figures (None, never 0 bytes), its end reading
+        # included: a sample taken after a step the sampler never saw says nothing about it.
+        peak = peak_t = low = None
+        if not len(w):
+            at_end = None
+        else:
             k = int(np.argmax(w.used))
             peak, peak_t, low = int(w.used[k]), int(w.t_ns[k]), int(w.used.min())
-        else:
-            peak = peak_t = low = 0
         return StepRecord(
             gpu_uuid=begin.gpu_uuid,
             step=begin.step,
@@ -424,8 +440,8 @@ class StepJoiner:
             nvml_peak_bytes=peak,
             nvml_peak_t_ns=peak_t,
             nvml_min_bytes=low,
-            nvml_end_bytes=at_end[1] if at_end else 0,
-            nvml_reserved_bytes=at_end[2] if at_end else 0,
+            nvml_end_bytes=at_end[1] if at_end else None,
+            nvml_reserved_bytes=at_end[2] if at_end else None,
             gap=gap,
             torch_allocated_peak_bytes=_step_peak("allocated_bytes.all.peak", phases, end),
             torch_reserved_peak_bytes=_step_peak("reserved_bytes.all.peak", phases, end),
@@ -452,7 +468,7 @@ class StepJoiner:
                     "phase": name,
                     "begin_ns": t0,
                     "end_ns": closer.t_ns,
-                    "nvml_peak_bytes": int(w.used.max()) if len(w) else 0,
+                    "nvml_peak_bytes": int(w.used.max()) if len(w) else None,
                     "torch_allocated_peak_bytes": closer.torch.get("allocated_bytes.all.peak", 0),
                     "torch_reserved_peak_bytes": closer.torch.get("reserved_bytes.all.peak", 0),
                 }

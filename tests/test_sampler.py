@@ -236,3 +236,54 @@ def test_a_failed_step_keeps_its_record_with_the_error():
     j.add(ev("end", 4, 30 * MS))
     (ok,) = j.poll()
     assert ok.error == ""
+
+
+def test_a_step_without_samples_has_no_nvml_figures_not_zero_bytes():
+    # The sampler read nothing between 10 ms and 90 ms: the step's NVML figures are unknown.
+    j = joiner_with([(t * MS, 7 << 30) for t in (*range(10), *range(90, 100))])
+    j.add(ev("begin", 1, 30 * MS))
+    j.add(ev("end", 1, 60 * MS))
+    (rec,) = j.poll(force=True)
+    assert rec.gap == "no_samples" and rec.samples == 0
+    assert rec.nvml_peak_bytes is None and rec.nvml_min_bytes is None
+    assert rec.nvml_peak_t_ns is None
+    assert rec.nvml_end_bytes is None and rec.nvml_reserved_bytes is None
+
+
+def test_records_are_read_safely_while_the_join_thread_polls():
+    """The run store drains records through a Ray call while the actor's join thread polls and
+    appends: reading must neither raise ("deque mutated during iteration") nor skip a step."""
+    j = joiner_with([(t * MS, 1) for t in range(100)])
+    steps = 20_000
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce():
+        try:
+            for s in range(1, steps + 1):
+                j.add(ev("begin", s, 1 * MS))
+                j.add(ev("end", s, 2 * MS))
+                if s % 50 == 0:
+                    j.poll()
+            j.poll()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    seen: list[int] = []
+    last = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        finished = done.is_set()
+        new = [r.step for r in j.records_since(last)]
+        assert new == sorted(new)
+        seen += new
+        last = new[-1] if new else last
+        if finished:
+            break
+    t.join()
+    assert not errors
+    assert seen == list(range(1, steps + 1))

@@ -20,7 +20,7 @@ def nontorch_bytes(rec: dict[str, Any]) -> int | None:
     training subtracts on the same footing.
     """
     te = rec.get("torch_end") or {}
-    if "reserved_bytes.all.current" not in te:
+    if "reserved_bytes.all.current" not in te or rec.get("nvml_end_bytes") is None:
         return None
     return (
         rec["nvml_end_bytes"]
@@ -34,10 +34,10 @@ def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
     out: list[tuple[str, dict[str, str], float]] = [
         ("stepmem_step", {}, rec["step"]),
         ("stepmem_step_duration_seconds", {}, (rec["end_ns"] - rec["begin_ns"]) / 1e9),
-        ("stepmem_step_nvml_peak_bytes", {}, rec["nvml_peak_bytes"]),
-        ("stepmem_step_nvml_end_bytes", {}, rec["nvml_end_bytes"]),
     ]
-    for name, key in (
+    for name, key in (  # a step without NVML samples has no NVML figures: no series, not 0
+        ("stepmem_step_nvml_peak_bytes", "nvml_peak_bytes"),
+        ("stepmem_step_nvml_end_bytes", "nvml_end_bytes"),
         ("stepmem_step_torch_allocated_peak_bytes", "torch_allocated_peak_bytes"),
         ("stepmem_step_torch_reserved_peak_bytes", "torch_reserved_peak_bytes"),
     ):
