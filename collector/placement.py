@@ -26,6 +26,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from collector.errors import StepmemError
 from collector.nvml import LiveBackend, NvmlUnavailable
 from collector.records import StepEvent
 from collector.replay import ReplayBackend
@@ -158,13 +159,21 @@ class SamplerActor:
             from collector.export.remote_write import RemoteWriter
 
             self.writer = RemoteWriter(options.remote_write)
-        self.sampler.start()
         addr = options.metrics_addr or ray.util.get_node_ip_address()
         port = options.metrics_port + self.device.info.index if options.metrics_port else 0
-        self._server, self.metrics_port = serve(
-            SamplerCollector(lambda: [self.snapshot()]), addr, port
-        )
-        self.metrics_addr = addr
+        self.metrics_addr, self.metrics_port = addr, port
+        # A port in use or an address not on this node: the actor stays up to say so in
+        # ``info()`` (one line for the user), samples nothing, and the launcher removes it.
+        self.init_error = ""
+        try:
+            self._server, self.metrics_port = serve(
+                SamplerCollector(lambda: [self.snapshot()]), addr, port
+            )
+        except OSError as exc:
+            self._server = None
+            self.init_error = f"cannot serve /metrics on {addr}:{port}: {exc.strerror or exc}"
+        else:
+            self.sampler.start()
         self._stop = threading.Event()
         self._join_thread = threading.Thread(
             target=self._join_loop, name="stepmem-join", daemon=True
@@ -209,7 +218,7 @@ class SamplerActor:
             target_rate_hz=s.rate_hz,
             up=s.alive,
             steps_joined=self.joiner.joined,
-            last_record=self.joiner.records[-1].to_dict() if self.joiner.records else None,
+            last_record=newest.to_dict() if (newest := self.joiner.newest()) else None,
             remote_write=self.writer.stats() if self.writer is not None else {},
         )
         if last is not None:
@@ -241,6 +250,7 @@ class SamplerActor:
             "wall_offset_ns": time.time_ns() - time.monotonic_ns(),
             "replay_origin_ns": getattr(self.device, "origin_ns", None),
             "replay_speed": getattr(self.device, "speed", None),
+            "error": self.init_error,
         }
 
     def record_events(self, events: list[dict[str, Any]]) -> int:
@@ -269,7 +279,7 @@ class SamplerActor:
     def step_records(self, since_step: int = -1, flush: bool = False) -> list[dict[str, Any]]:
         """Joined step records with ``step > since_step``; ``flush`` joins pending steps now."""
         self._publish(self.joiner.poll(force=flush))
-        return [r.to_dict() for r in self.joiner.records if r.step > since_step]
+        return [r.to_dict() for r in self.joiner.records_since(since_step)]
 
     def last(self) -> tuple[int, int, int] | None:
         return self.sampler.ring.last()
@@ -330,6 +340,7 @@ class SamplerActor:
         self._stop.set()
         self._publish(self.joiner.poll(force=True), final=True)
         if self.writer is not None:
+            self.writer.mark_stale()  # the run is over: its series end now, not 5 min later
             self.writer.close()
         return self.health()
 
@@ -378,26 +389,46 @@ def launch_samplers(
         options.run_id = new_run_id()
     if spec.kind == "replay" and spec.origin_ns is None:
         spec.origin_ns = time.monotonic_ns()
+    found = [
+        (node_id, gpu) for node_id in nodes or _alive_nodes() for gpu in _gpus_on(node_id, spec)
+    ]
+    if options.metrics_port and found:
+        top = options.metrics_port + max(gpu["index"] for _, gpu in found)
+        if top > 65535:
+            raise StepmemError(
+                f"--metrics-port {options.metrics_port}: GPU index "
+                f"{top - options.metrics_port} would serve on port {top}; the largest is 65535"
+            )
     placed = []
-    for node_id in nodes or _alive_nodes():
-        for gpu in _gpus_on(node_id, spec):
-            name = sampler_name(node_id, gpu["uuid"])
-            handle = SamplerActor.options(
-                name=name,
-                namespace=NAMESPACE,
-                get_if_exists=True,
-                lifetime="detached" if detached else None,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(node_id, gpu["uuid"], spec, options)
-            placed.append(PlacedSampler(node_id, gpu["uuid"], name, handle, {}))
+    for node_id, gpu in found:
+        name = sampler_name(node_id, gpu["uuid"])
+        handle = SamplerActor.options(
+            name=name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached" if detached else None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, gpu["uuid"], spec, options)
+        placed.append(PlacedSampler(node_id, gpu["uuid"], name, handle, {}))
     if not placed:
-        raise RuntimeError(
+        raise StepmemError(
             "no GPU found on any alive Ray node for the nvml backend; on a machine without GPUs "
             "use the replay backend (--backend replay)"
         )
     infos = ray.get([p.handle.info.remote() for p in placed], timeout=120)
     for p, info in zip(placed, infos, strict=True):
         p.info = info
+    failed = [p for p in placed if p.info.get("error")]
+    if failed:
+        for p in placed:  # none of this launch's samplers stays behind
+            if p.info.get("run_id") == options.run_id:
+                ray.kill(p.handle, no_restart=True)
+        first = failed[0]
+        raise StepmemError(
+            f"the sampler of GPU {first.info['index']} on node {first.node_id[:12]} "
+            f"{first.info['error']}"
+            + (f" ({len(failed)} samplers failed)" if len(failed) > 1 else "")
+        )
     return placed
 
 

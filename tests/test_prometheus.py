@@ -74,8 +74,12 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
         offset = gpu.info["wall_offset_ns"]
         for ts, step in step_at.items():
             rec = records[step]
+            if rec["nvml_peak_bytes"] is None:  # no sample inside the step: no series, never 0
+                assert ts not in peak_at
+                continue
             assert peak_at[ts] == rec["nvml_peak_bytes"]
             assert abs(ts - (rec["end_ns"] + offset) / 1e9) < 0.05  # the step's own end time
+        assert peak_at  # a 5 ms step at 1 kHz: a starved sampler may miss some, never all
         # Window gauges: the 10 s window holds whole laps of the replayed capture by now.
         elapsed = (time.monotonic_ns() - gpu.info["started_ns"]) / 1e9
         time.sleep(max(0.0, 6.0 - elapsed) + 1.5)  # two laps of the capture, then a scrape
@@ -246,23 +250,37 @@ def test_raw_samples_become_per_millisecond_maxima_and_the_open_millisecond_wait
 
 class FaultyProxy:
     """A loopback HTTP proxy in front of the real Prometheus that answers the first ``fail``
-    requests with 503 and delays every request by ``delay_s`` (a slow receiver)."""
+    requests with ``fail_status`` (503; 429 with ``retry_after``) and delays every request by
+    ``delay_s`` (a slow receiver). It notes each request's time and User-Agent."""
 
-    def __init__(self, upstream: str, fail: int = 0, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        fail: int = 0,
+        delay_s: float = 0.0,
+        fail_status: int = 503,
+        retry_after: str | None = None,
+    ) -> None:
         import http.server
         import threading
 
         proxy = self
         self.fail, self.delay_s, self.requests, self.failed = fail, delay_s, 0, 0
+        self.times: list[float] = []
+        self.agents: list[str] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 proxy.requests += 1
+                proxy.times.append(time.monotonic())
+                proxy.agents.append(self.headers.get("User-Agent", ""))
                 time.sleep(proxy.delay_s)
                 if proxy.failed < proxy.fail:
                     proxy.failed += 1
-                    self.send_response(503)
+                    self.send_response(fail_status)
+                    if retry_after is not None:
+                        self.send_header("Retry-After", retry_after)
                     self.end_headers()
                     self.wfile.write(b"overloaded")
                     return
@@ -362,3 +380,55 @@ def test_a_slow_receiver_never_slows_the_caller_and_the_buffer_stays_bounded(pro
         samples_sent=writer.sent,
         samples_dropped_counted=dropped,
     )
+
+
+def test_a_429_is_retried_after_the_wait_the_receiver_asks_for(prom, record_fault):
+    from importlib.metadata import version
+
+    proxy = FaultyProxy(prom.url, fail=2, fail_status=429, retry_after="1")
+    writer = RemoteWriter(
+        RemoteWriteConfig(
+            url=f"{proxy.url}/api/v1/write",
+            flush_interval_s=0.05,
+            backoff_min_s=0.05,  # without Retry-After the retries would come within 0.1 s
+            backoff_max_s=0.1,
+        )
+    )
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-429", "run": "t-429"}
+    try:
+        _push_timed(writer, labels, 30, int(time.time() * 1000) - 200)
+        wait_for(lambda: writer.sent == 30, timeout=30)
+        series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-429"}'
+        wait_for(lambda: prom.scalar(f"count_over_time({series}[10m])") == 30, timeout=20)
+        waits = [b - a for a, b in zip(proxy.times, proxy.times[1:], strict=False)][:2]
+        assert proxy.failed == 2 and writer.stats()["throttled"] == 2
+        assert writer.stats()["dropped"] == {}
+        assert all(w >= 0.9 for w in waits), waits  # Retry-After: 1 honoured, twice
+        assert set(proxy.agents) == {f"stepmem/{version('stepmem')}"}
+    finally:
+        writer.close(timeout=1)
+        proxy.close()
+    record_fault(
+        "remote write answered 429 with Retry-After: 1, twice",
+        "kept the batch, waited as asked, then everything arrived; User-Agent names the version",
+        waits_s=[round(w, 2) for w in waits],
+        samples_lost=0,
+    )
+
+
+def test_a_finished_runs_series_end_with_stale_markers(prom):
+    writer = RemoteWriter(RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.05))
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-stale", "run": "t-stale"}
+    series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-stale"}'
+    try:
+        t0 = int(time.time() * 1000) - 3000
+        for i in range(5):
+            writer.push("stepmem_step", labels, t0 + 100 * i, float(i))
+        wait_for(lambda: writer.sent == 5, timeout=20)
+        wait_for(lambda: prom.scalar(series) == 4.0, timeout=20)  # live: the last value shows
+        assert writer.mark_stale() == 1
+        wait_for(lambda: writer.sent == 6, timeout=20)
+        wait_for(lambda: prom.query(series) == [], timeout=20)  # ended, not 5 minutes later
+        assert prom.scalar(f"count_over_time({series}[10m])") == 5  # the data is all there
+    finally:
+        writer.close(timeout=1)

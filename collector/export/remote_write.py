@@ -9,10 +9,15 @@ than through generated protobuf code and a ``protoc`` step.
 
 Behaviour: :meth:`RemoteWriter.push_step` only appends to a bounded buffer (oldest samples are
 dropped and counted when it is full); a daemon thread sends batches off the sampling and join
-threads. 5xx answers and connection errors are retried with exponential backoff, keeping the
-batch; 4xx answers are logged with Prometheus' reason and dropped (counted), never retried — one
-bad sample rejects a whole request. Within a series timestamps must increase: a step ending in
-the same millisecond as the previous one is moved 1 ms later (counted as ``shifted``).
+threads. 5xx answers, 429 (too many requests) and connection errors are retried with exponential
+backoff, keeping the batch; a ``Retry-After`` header (seconds or an HTTP date) sets the wait, up to
+``RETRY_AFTER_MAX_S``. Other 4xx answers are logged with Prometheus' reason and dropped
+(counted), never retried — one bad sample rejects a whole request. :meth:`RemoteWriter.mark_stale`
+(called when a run's sampler stops) ends every series it pushed with Prometheus' stale marker, so
+a finished run's last values do not linger in queries for the 5-minute lookback.
+
+Within a series timestamps must increase: a step ending in the same millisecond as the previous
+one is moved 1 ms later (counted as ``shifted``).
 
 Credentials come from a file or an environment variable named in the config, are read when the
 writer starts, and never appear in logs, metrics, ``repr`` or the run store.
@@ -36,8 +41,42 @@ from typing import Any
 
 import cramjam
 
+from collector.errors import InputError
 from collector.export.values import step_values
 from collector.metrics import PUSH_JOB, PUSH_SAMPLES_JOB
+
+RETRY_AFTER_MAX_S = 60.0
+# Prometheus' staleness marker: a NaN with this exact bit pattern ends a series
+STALE_NAN_BITS = 0x7FF0000000000002
+
+
+def _user_agent() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"stepmem/{version('stepmem')}"
+    except PackageNotFoundError:
+        return "stepmem"
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), capped at
+    ``RETRY_AFTER_MAX_S``; None when absent or unreadable."""
+    import email.utils
+
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        wait = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value).timestamp()
+        except (TypeError, ValueError, IndexError):
+            return None
+        wait = when - (time.time() if now is None else now)
+    return min(max(wait, 0.0), RETRY_AFTER_MAX_S)
+
 
 __all__ = ["RemoteWriteConfig", "RemoteWriter", "encode_write_request"]
 
@@ -70,24 +109,27 @@ class RemoteWriteConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"remote-write URL must be http:// or https://, got {self.url!r}")
+            raise InputError(f"remote-write URL must be http:// or https://, got {self.url!r}")
         if self.buffer_max < 1 or self.batch_max < 1:
-            raise ValueError("remote-write buffer and batch sizes must be >= 1")
+            raise InputError("remote-write buffer and batch sizes must be >= 1")
         if (self.bearer_token_file or self.bearer_token_env) and self.basic_user:
-            raise ValueError("choose bearer-token or basic auth for remote write, not both")
+            raise InputError("choose bearer-token or basic auth for remote write, not both")
 
     def authorization(self) -> str | None:
         """The ``Authorization`` header value, read now from the named file or variable."""
 
         def secret(path: str | None, env: str | None, what: str) -> str:
             if path:
-                return Path(path).read_text().strip()
+                try:
+                    return Path(path).read_text().strip()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise InputError(f"remote write: {what} file {path}: {exc}") from None
             if env:
                 value = os.environ.get(env)
                 if value is None:
-                    raise ValueError(f"remote write: environment variable {env} ({what}) unset")
+                    raise InputError(f"remote write: environment variable {env} ({what}) unset")
                 return value.strip()
-            raise ValueError(f"remote write: no {what} source given")
+            raise InputError(f"remote write: no {what} source given")
 
         if self.bearer_token_file or self.bearer_token_env:
             return "Bearer " + secret(self.bearer_token_file, self.bearer_token_env, "token")
@@ -99,9 +141,12 @@ class RemoteWriteConfig:
     def ssl_context(self) -> ssl.SSLContext | None:
         if not self.url.startswith("https://"):
             return None
-        ctx = ssl.create_default_context(cafile=self.ca_file)
-        if self.cert_file:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+            if self.cert_file:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise InputError(f"remote write: TLS files: {exc}") from None
         if self.insecure_skip_verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
@@ -137,7 +182,9 @@ def encode_write_request(series: dict[Series, list[tuple[int, float]]]) -> bytes
         for name, value in labels:
             ts += _field_bytes(1, _field_bytes(1, name.encode()) + _field_bytes(2, value.encode()))
         for t_ms, value in samples:
-            sample = b"\x09" + struct.pack("<d", value) + b"\x10" + _varint(t_ms)
+            # a NaN is only ever pushed as the stale marker: send its exact bits
+            v = struct.pack("<Q", STALE_NAN_BITS) if value != value else struct.pack("<d", value)
+            sample = b"\x09" + v + b"\x10" + _varint(t_ms)
             ts += _field_bytes(2, sample)
         out += _field_bytes(1, bytes(ts))
     return bytes(out)
@@ -152,6 +199,7 @@ class RemoteWriter:
         self.requests = 0
         self.dropped: Counter[str] = Counter()
         self.shifted = 0
+        self.throttled = 0  # 429 answers
         self.last_error = ""
         self._auth = config.authorization()
         self._ssl = config.ssl_context()
@@ -161,6 +209,8 @@ class RemoteWriter:
         self._wake = threading.Event()
         self._closed = False
         self._retrying = False
+        self._retry_after: float | None = None  # the receiver's Retry-After, for the next wait
+        self._user_agent = _user_agent()
         self._thread = threading.Thread(target=self._run, name="stepmem-remote-write", daemon=True)
         self._thread.start()
 
@@ -227,7 +277,20 @@ class RemoteWriter:
             "dropped": dict(self.dropped),
             "requests": self.requests,
             "shifted": self.shifted,
+            "throttled": self.throttled,
         }
+
+    def mark_stale(self, t_ms: int | None = None) -> int:
+        """Queue Prometheus' stale marker for every series pushed so far, at ``t_ms`` (default
+        now; always after the series' last sample). Returns how many series were marked."""
+        now = int(time.time() * 1000) if t_ms is None else t_ms
+        with self._lock:
+            keys = list(self._last_ts.items())
+        for key, last in keys:
+            labels = dict(key)
+            name, job = labels.pop("__name__"), labels.pop("job")
+            self.push(name, labels, max(now, last + 1), float("nan"), job=job)
+        return len(keys)
 
     def _take(self) -> list[tuple[Series, int, float]]:
         with self._lock:
@@ -247,7 +310,7 @@ class RemoteWriter:
             "Content-Encoding": "snappy",
             "Content-Type": "application/x-protobuf",
             "X-Prometheus-Remote-Write-Version": "0.1.0",
-            "User-Agent": "stepmem",
+            "User-Agent": self._user_agent,
         }
         if self._auth:
             headers["Authorization"] = self._auth
@@ -258,6 +321,7 @@ class RemoteWriter:
         except urllib.error.HTTPError as exc:
             reason = exc.read(500).decode(errors="replace").strip()
             self.last_error = f"HTTP {exc.code}: {reason}"
+            self._retry_after = retry_after_s(exc.headers.get("Retry-After"))
             return exc.code
 
     def send_once(self) -> bool:
@@ -279,6 +343,10 @@ class RemoteWriter:
         if 200 <= status < 300:
             self.sent += len(batch)
             return True
+        if status == 429:  # too many requests: keep the batch, wait as asked
+            self.throttled += 1
+            self._put_back(batch)
+            return False
         if 400 <= status < 500:
             self.dropped["rejected_4xx"] += len(batch)
             log.warning(
@@ -299,6 +367,8 @@ class RemoteWriter:
             self._retrying = not ok
             if ok:
                 backoff = 0.0
+            elif self._retry_after is not None:
+                backoff, self._retry_after = max(self._retry_after, 0.01), None
             else:
                 backoff = min(
                     max(backoff * 2, self.config.backoff_min_s), self.config.backoff_max_s
