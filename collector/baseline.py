@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from collector.errors import InputError
+
 __all__ = ["baseline_rules", "peak_of"]
 
 RECORD = "stepmem_baseline_step_nvml_peak_bytes"
@@ -22,16 +24,23 @@ RECORD = "stepmem_baseline_step_nvml_peak_bytes"
 def peak_of(doc: dict[str, Any]) -> int:
     """The largest within-step NVML peak over the steps of a records document (gapped steps,
     whose windows may have missed samples, are left out)."""
-    peaks = [r["nvml_peak_bytes"] for r in doc.get("records", []) if not r.get("gap")]
+    peaks = [
+        r["nvml_peak_bytes"]
+        for r in doc.get("records", [])
+        if not r.get("gap") and r.get("nvml_peak_bytes") is not None
+    ]
     if not peaks:
-        raise ValueError("the records hold no complete step to take a baseline from")
+        raise InputError("the records hold no complete step to take a baseline from")
     return max(peaks)
 
 
 def workload_of(doc: dict[str, Any]) -> str:
-    names = {s.get("workload", "") for s in doc.get("samplers", [])} - {""}
+    samplers = doc.get("samplers", [])
+    if not isinstance(samplers, list) or not all(isinstance(s, dict) for s in samplers):
+        raise InputError("the records' samplers are not a list of objects")
+    names = {s.get("workload", "") for s in samplers} - {""}
     if len(names) != 1:
-        raise ValueError("cannot tell the workload from the records; pass --workload NAME")
+        raise InputError("cannot tell the workload from the records; pass --workload NAME")
     return names.pop()
 
 
@@ -50,24 +59,55 @@ def baseline_rules(baselines: dict[str, int]) -> str:
 
 
 def read_rules(path: Path) -> dict[str, int]:
-    """The baselines already in a rule file written by :func:`baseline_rules`."""
-    doc = yaml.safe_load(path.read_text()) or {}
-    out = {}
-    for group in doc.get("groups", []):
-        for rule in group.get("rules", []):
-            if rule.get("record") == RECORD:
-                out[rule["labels"]["workload"]] = int(rule["expr"].removeprefix("vector(")[:-1])
-    return out
+    """The baselines in a rule file written by :func:`baseline_rules`. :class:`InputError` for
+    a file that is not one (invalid YAML, or rules of another kind): it is never overwritten."""
+    not_ours = f"{path} is not a stepmem baseline file"
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{not_ours} ({first}); it is left as it is") from None
+    try:
+        groups = doc["groups"]
+        if [g["name"] for g in groups] != ["stepmem-baselines"]:
+            raise ValueError
+        out = {}
+        for rule in groups[0]["rules"]:
+            if rule["record"] != RECORD:
+                raise ValueError
+            out[str(rule["labels"]["workload"])] = int(
+                rule["expr"].removeprefix("vector(").removesuffix(")")
+            )
+        return out
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise InputError(
+            f"{not_ours} (it holds other rules); choose another --out: it is left as it is"
+        ) from None
 
 
 def write_baseline(records: Path, out: Path, workload: str | None, merge: bool) -> tuple[str, int]:
+    """Write ``out`` with ``records``' peak as the baseline of its workload. ``out`` may be new
+    or a baseline file; with ``merge`` its other workloads are kept, without it a file holding
+    other workloads is refused (nothing is dropped silently)."""
+    from collector.report import check_meta, check_records
+
     try:
         doc = json.loads(records.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{records} is not a readable records file: {exc}") from None
+        raise InputError(f"{records} is not a readable records file: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{records} is not a stepmem records file")
+    check_meta(doc, str(records))
+    check_records(doc.get("records", []), str(records))
     name = workload or workload_of(doc)
     peak = peak_of(doc)
-    baselines = read_rules(out) if merge and out.exists() else {}
+    baselines = read_rules(out) if out.exists() else {}
+    others = sorted(set(baselines) - {name})
+    if others and not merge:
+        raise InputError(
+            f"{out} holds the baselines of {', '.join(others)} too; --merge keeps them, or "
+            "choose another --out"
+        )
     baselines[name] = peak
     out.write_text(baseline_rules(baselines))
     return name, peak

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from collector.nvml import LiveBackend, NvmlError, NvmlNotFound
-from collector.replay import Capture, ReplayBackend
+from collector.replay import Capture, ReplayBackend, ReplayDevice
 from collector.sampler import Sampler
 
 __all__ = ["record"]
@@ -32,6 +32,21 @@ PROCESS_SNAPSHOT_S = 0.5
 def _capacity(rate_hz: float, seconds: float) -> int:
     per_s = rate_hz if rate_hz > 0 else 150_000
     return int(per_s * seconds * 1.2) + 1024
+
+
+def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str, Any]]:
+    """The step events a replayed GPU played between ``t0`` and ``t_last`` (monotonic), with
+    ``t_ns`` relative to ``t0``: the first pass through its capture only (a looping replay
+    repeats step numbers), and only steps whose begin and end both fell in the recording."""
+    out = []
+    for ev in device.capture.events:
+        t = device.origin_ns + int(ev["t_ns"] / device.speed)
+        if t0 <= t <= t_last:
+            out.append({**ev, "t_ns": t - t0, "gpu_uuid": device.uuid})
+    kinds: dict[int, set[str]] = {}
+    for ev in out:
+        kinds.setdefault(ev["step"], set()).add(ev["kind"])
+    return [ev for ev in out if {"begin", "end"} <= kinds[ev["step"]]]
 
 
 def record(
@@ -100,6 +115,8 @@ def record(
                 ev["t_ns"] -= t0
                 events.append(ev)
     w = sampler.ring.snapshot()
+    if not events and isinstance(device, ReplayDevice):
+        events = replayed_events(device, t0, int(w.t_ns[-1]) if len(w) else t0)
     if w.lost or sampler.ring.count > sampler.ring.capacity:
         echo(f"warning: the ring overran; the capture keeps the last {len(w)} samples")
     if trim_s is not None and events:

@@ -4,23 +4,33 @@
     stepmem devices    the GPUs NVML (or a replay) shows on this node, by UUID
     stepmem capture    record an NVML capture on a real GPU while a command runs
 
-A user error (bad flag, missing capture, unknown GPU) prints one line and exits 2; never a
-traceback.
+A user error (bad flag, missing capture, unknown GPU: any :class:`StepmemError`) prints one line
+and exits 2; never a traceback. Anything else is a bug in stepmem: its traceback, a line that says
+so, exit 70.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
+import socket
 import sys
 from pathlib import Path
 
+from collector.errors import StepmemError
 from workloads import WORKLOADS
 
 __all__ = ["main"]
 
+EXIT_BUG = 70  # EX_SOFTWARE: an internal error, not the user's
+MAX_REPLAY_GPUS = 64  # simulated GPUs per node: each is an actor process (~80 MB)
+MAX_REPLAY_S = 86_400.0  # a replay that would play longer than a day is a typo in --speed
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-class UserError(Exception):
+
+class UserError(StepmemError):
     """Something the user can fix: one line, exit 2."""
 
 
@@ -94,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--workload",
         choices=WORKLOADS,
-        default="finetune",
-        help="the workload to run on real GPUs (default finetune)",
+        help="the workload to run on real GPUs (default finetune; not with replay)",
     )
     r.add_argument(
         "--train-workers",
@@ -123,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--store",
         type=Path,
-        default=Path("runs"),
         metavar="DIR",
-        help="run store root: the run is written to DIR/<run id> (default runs/)",
+        help="run store root: the run is written to DIR/<run id> (default: $STEPMEM_STORE, "
+        "else runs/; under `ray job submit`, ~/stepmem-runs, as Ray deletes a job's working "
+        "directory)",
     )
     r.add_argument("--no-store", action="store_true", help="write no run store")
     r.add_argument(
@@ -264,17 +274,148 @@ def _strip_dashes(args: list[str]) -> list[str]:
     return args[1:] if args and args[0] == "--" else args
 
 
+def writable_file(path: Path, flag: str, prog: str) -> None:
+    """Refuse an output file that cannot be written, before any work starts: a folder, a
+    missing folder, a folder this user cannot create files in (tried, not guessed: root passes
+    every permission check)."""
+    import tempfile
+
+    if path.is_dir():
+        raise UserError(f"{prog}: {flag} {path} is a directory, not a file")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UserError(f"{prog}: {flag} {path}: the folder {folder} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".stepmem-probe-"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"{prog}: {flag} {path}: cannot write in {folder} ({exc.strerror})"
+        ) from None
+
+
+def default_store() -> Path:
+    """Where runs go without ``--store``: ``$STEPMEM_STORE``; else, in a job started by ``ray job
+    submit`` (its working directory is a copy under Ray's runtime_resources, deleted when Ray
+    cleans up), ``~/stepmem-runs``; else ``runs/`` here."""
+    if os.environ.get("STEPMEM_STORE"):
+        return Path(os.environ["STEPMEM_STORE"])
+    submitted = (
+        "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ or "runtime_resources" in Path.cwd().parts
+    )
+    return Path.home() / "stepmem-runs" if submitted else Path("runs")
+
+
+def _check_store(ns: argparse.Namespace) -> None:
+    """The run store root is writable and the run's folder is new (a run never overwrites
+    another); ``--run-id`` is a plain name, so the run stays inside ``--store``."""
+    if ns.run_id and (not RUN_ID.fullmatch(ns.run_id) or ns.run_id in (".", "..")):
+        raise UserError(
+            f"stepmem run: --run-id {ns.run_id!r}: use letters, digits, '.', '_' and '-' "
+            "(a folder name inside --store, at most 128 characters)"
+        )
+    if ns.no_store:
+        return
+    if ns.store is None:
+        ns.store = default_store()
+    if ns.store.exists() and not ns.store.is_dir():
+        raise UserError(f"stepmem run: --store {ns.store} is a file, not a folder")
+    try:
+        ns.store.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"stepmem run: --store {ns.store}: {exc.strerror}") from None
+    writable_file(ns.store / "probe", "--store", "stepmem run")
+    if ns.run_id and (ns.store / ns.run_id).exists():
+        raise UserError(
+            f"stepmem run: the run store {ns.store / ns.run_id} already exists; choose another "
+            "--run-id (or remove that folder): a run never overwrites another"
+        )
+
+
+def _check_metrics_addr(addr: str | None, prog: str) -> None:
+    if not addr:
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as exc:
+        raise UserError(f"{prog}: --metrics-addr {addr!r} does not resolve ({exc})") from None
+
+
+def _check_ports(base: int, gpus: int, prog: str) -> None:
+    if base and base + gpus - 1 > 65535:
+        raise UserError(
+            f"{prog}: --metrics-port {base} with {gpus} GPUs needs ports up to {base + gpus - 1}; "
+            "the largest is 65535"
+        )
+
+
+def _check_replay(ns: argparse.Namespace) -> None:
+    """What a replay will play, checked before anything starts."""
+    from collector.replay import Capture, resolve_capture
+
+    if ns.workload is not None or ns.workload_args:
+        what = "--workload" if ns.workload is not None else "workload arguments after '--'"
+        raise UserError(
+            f"stepmem run: {what} choose what runs on a real GPU; the replay backend plays "
+            "captures recorded on one (choose them with --capture, e.g. --capture spiky)"
+        )
+    captures = ns.captures or ["adamw_8bit"]
+    gpus = ns.gpus or len(captures)
+    if gpus > MAX_REPLAY_GPUS:
+        raise UserError(
+            f"stepmem run: --gpus {gpus}: at most {MAX_REPLAY_GPUS} simulated GPUs per node "
+            "(each is a sampler process); use several nodes for more"
+        )
+    _check_ports(ns.metrics_port, gpus, "stepmem run")
+    longest = 0.0
+    for name in captures:
+        cap = Capture.load(resolve_capture(name))
+        if not cap.events:
+            raise UserError(
+                f"stepmem run: capture {name!r} holds no step events, so there are no steps to "
+                "replay (idle is for `stepmem daemon --backend replay` and `stepmem devices`)"
+            )
+        longest = max(longest, cap.duration_ns / 1e9)
+    if longest / ns.speed > MAX_REPLAY_S:
+        raise UserError(
+            f"stepmem run: --speed {ns.speed:g} would play the {longest:.0f} s capture for "
+            f"{longest / ns.speed / 3600:.0f} hours; the longest replay is one day"
+        )
+
+
+def _backend_kind(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    from collector.job import nvml_available
+
+    return "nvml" if nvml_available() else "replay"
+
+
 def _cmd_run(ns: argparse.Namespace) -> int:
     import workloads
     from collector.job import JobOptions, WorkloadFailed, run_job
 
+    ns.workload_args = _strip_dashes(ns.workload_args)
     if ns.script is not None:
         if not ns.script.is_file():
             raise UserError(f"stepmem run: --script {ns.script}: no such file")
         if ns.train_workers:
             raise UserError("stepmem run: --script and --train-workers do not go together")
     else:
-        workloads.parse(ns.workload, _strip_dashes(ns.workload_args))  # before anything starts
+        workloads.parse(ns.workload or "finetune", ns.workload_args)  # before anything starts
+    kind = _backend_kind(ns.backend)
+    if kind == "replay":
+        if ns.script is not None or ns.train_workers:
+            flag = "--script" if ns.script is not None else "--train-workers"
+            raise UserError(
+                f"stepmem run: {flag} needs the live NVML backend (a GPU); the replay backend "
+                "plays recorded steps"
+            )
+        _check_replay(ns)
+    _check_metrics_addr(ns.metrics_addr, "stepmem run")
+    if ns.out is not None:
+        writable_file(ns.out, "--out", "stepmem run")
+    _check_store(ns)
     remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
@@ -292,15 +433,17 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             insecure_skip_verify=ns.remote_write_insecure_skip_verify,
         )
         remote_write.authorization()  # a missing token file fails here, in one line
+        remote_write.ssl_context()  # and a missing CA file
     opts = JobOptions(
-        backend=ns.backend,
+        backend=kind,
+        backend_reason="no GPU here" if ns.backend == "auto" else "asked for",
         captures=ns.captures or ["adamw_8bit"],
         gpus=ns.gpus,
         rate_hz=ns.rate,
         speed=ns.speed,
         steps=ns.steps,
-        workload=ns.workload,
-        workload_args=_strip_dashes(ns.workload_args),
+        workload=ns.workload or "finetune",
+        workload_args=ns.workload_args,
         out=ns.out,
         ray_address=ns.address,
         targets=ns.targets,
@@ -333,12 +476,17 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
 
 
 def _cmd_daemon(ns: argparse.Namespace) -> int:
-    import ray
-
     from collector.daemon import run_daemon, stop_daemon
+    from collector.job import connect_ray, terminate_as_interrupt
     from collector.placement import BackendSpec, SamplerOptions
 
-    ray.init(address=ns.address or "auto", namespace="stepmem")
+    _check_metrics_addr(ns.metrics_addr, "stepmem daemon")
+    if ns.gpus is not None and ns.gpus > MAX_REPLAY_GPUS:
+        raise UserError(f"stepmem daemon: --gpus {ns.gpus}: at most {MAX_REPLAY_GPUS} per node")
+    if ns.targets is not None:
+        writable_file(ns.targets, "--targets", "stepmem daemon")
+    connect_ray(ns.address or os.environ.get("RAY_ADDRESS") or "auto")
+    terminate_as_interrupt()  # SIGTERM stops the daemon loop like Ctrl-C (after ray.init's own)
     if ns.stop:
         print(f"{stop_daemon()} samplers stopped")
         return 0
@@ -433,10 +581,18 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
             raise UserError(f"stepmem capture: --note {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         notes[k] = v
+    writable_file(ns.out, "--out", "stepmem capture")
     backend = None
     if ns.backend == "replay":
-        from collector.replay import ReplayBackend
+        from collector.replay import ReplayBackend, resolve_capture
 
+        for name in ns.captures or ["idle"]:
+            src = resolve_capture(name)
+            if ns.out.exists() and ns.out.resolve() == src.resolve():
+                raise UserError(
+                    f"stepmem capture: --out {ns.out} is the capture being resampled; "
+                    "write the new capture to another file"
+                )
         backend = ReplayBackend(ns.captures or ["idle"])
     cap = record(
         ns.out,
@@ -452,10 +608,17 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
     return int(cap.notes.get("returncode", 0) or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from collector.nvml import NvmlError
-    from collector.replay import CaptureError
+def _one_line(exc: BaseException) -> str:
+    """A user error's message, also when it crossed a Ray call (``RayTaskError`` carries the
+    original as ``cause`` and a traceback in its text)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, StepmemError):
+        exc = cause
+    text = str(exc).strip().splitlines() or [type(exc).__name__]
+    return text[0] if isinstance(exc, UserError) else f"stepmem: error: {text[0]}"
 
+
+def main(argv: list[str] | None = None) -> int:
     try:
         ns = build_parser().parse_args(argv)
         logging.basicConfig(
@@ -473,15 +636,22 @@ def main(argv: list[str] | None = None) -> int:
             "compare": _cmd_compare,
         }
         return handler[ns.command](ns)
-    except UserError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except (CaptureError, NvmlError, ValueError, OSError) as exc:
-        print(f"stepmem: error: {exc}", file=sys.stderr)
+    except StepmemError as exc:
+        print(_one_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stepmem: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        print(
+            "stepmem: internal error: this is a bug in stepmem, not a problem with your input; "
+            "please report it with the traceback above",
+            file=sys.stderr,
+        )
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 import workloads
+from collector.errors import StepmemError
 from collector.export.file_sd import TargetsRefresher, write_targets
 from collector.placement import (
     BackendSpec,
@@ -55,6 +56,7 @@ class WorkloadFailed(RuntimeError):
 @dataclass
 class JobOptions:
     backend: str = "auto"  # auto | nvml | replay
+    backend_reason: str = ""  # why this backend, for the banner (default: from ``backend``)
     captures: list[str] = field(default_factory=lambda: ["adamw_8bit"])
     gpus: int | None = None
     rate_hz: float = 1000.0
@@ -88,20 +90,28 @@ def nvml_available() -> bool:
 
 def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
     """The backend spec and the banner line that says plainly which one runs."""
+    import os
+
     kind = opts.backend
     if kind == "auto":
         kind = "nvml" if nvml_available() else "replay"
     if kind == "nvml":
+        if not (opts.ray_address or os.environ.get("RAY_ADDRESS")) and not nvml_available():
+            raise StepmemError(
+                "the live NVML backend needs a GPU and this machine has none that NVML can "
+                "read; use --backend replay, or --address of a Ray cluster with GPU nodes"
+            )
         return BackendSpec("nvml"), (
             f"stepmem: live NVML backend, workload {opts.workload}, "
             f"sampling at {_rate(opts.rate_hz)}"
         )
     for name in opts.captures:  # fail here, in one line, not inside a sampler actor
-        Capture.load(resolve_capture(name))
+        if not Capture.load(resolve_capture(name)).events:
+            raise StepmemError(f"capture {name!r} holds no step events: nothing to replay")
     caps = ", ".join(Path(c).name.removesuffix(".capture.parquet") for c in opts.captures)
     # Committed captures travel by name: each node's actors resolve them in their own install.
     spec = BackendSpec("replay", captures=list(opts.captures), gpus=opts.gpus, speed=opts.speed)
-    why = "no GPU here" if opts.backend == "auto" else "asked for"
+    why = opts.backend_reason or ("no GPU here" if opts.backend == "auto" else "asked for")
     return spec, (
         f"stepmem: REPLAY backend ({why}) — playing NVML captures recorded on a real "
         f"GPU, not this machine: {caps}; {spec.gpus or len(opts.captures)} simulated GPU(s) "
@@ -141,6 +151,34 @@ def loopback_only_ray() -> None:
         pass
 
 
+def is_loopback_address(address: str | None) -> bool:
+    """Whether a Ray address (``127.0.0.1:6379``, ``ray://localhost:10001``,
+    ``http://[::1]:8265``) names this machine's loopback interface."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not address or address in ("auto", "local"):
+        return False
+    host = urlsplit(address if "://" in address else f"//{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect_ray(address: str | None) -> None:
+    """Connect to an existing cluster at ``address`` (else ``RAY_ADDRESS``), keeping a loopback
+    address as given: Ray would otherwise swap 127.0.0.1 for the machine's outward address and
+    wait for a node there that never answers."""
+    import os
+
+    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+        loopback_only_ray()
+    ray.init(address=address, namespace="stepmem")
+
+
 def _init_ray(address: str | None) -> bool:
     """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
     loopback. Returns True when this process started a local cluster."""
@@ -149,7 +187,7 @@ def _init_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, namespace="stepmem")
+        connect_ray(address)
         return False
     start_local_ray()
     return True
@@ -186,6 +224,7 @@ class _Drainer:
         self.last_step = {p.gpu_uuid: -1 for p in placed}
         self.samples_lost = 0
         self.unreachable = 0
+        self.records: dict[str, list[dict[str, Any]]] = {p.gpu_uuid: [] for p in placed}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stepmem-store", daemon=True)
@@ -208,6 +247,7 @@ class _Drainer:
                 self.cursors[uuid] = d["next"]
                 self.samples_lost += d["lost"]
                 self.writer.add_records(recs)
+                self.records[uuid].extend(recs)
                 if recs:
                     self.last_step[uuid] = max(r["step"] for r in recs)
             self.writer.add_events(self.outbox.take_events())
@@ -227,6 +267,19 @@ def _replay_events(
 ) -> int:
     """Send each simulated GPU's recorded events at their recorded times. Returns steps sent."""
     plan: list[tuple[int, dict[str, Any]]] = []
+    held = {
+        c: max((e["step"] for e in Capture.load(resolve_capture(c)).events), default=0)
+        for c in spec.captures
+    }
+    if steps is not None and steps > max(held.values()):
+        echo(
+            f"note: --steps {steps}, but the capture(s) hold "
+            + ", ".join(
+                f"{n} steps ({Path(c).name.removesuffix('.capture.parquet')})"
+                for c, n in held.items()
+            )
+            + ": every recorded step is played"
+        )
     for p in placed:
         cap = Capture.load(resolve_capture(spec.captures[p.info["index"] % len(spec.captures)]))
         origin, speed = p.info["replay_origin_ns"], p.info["replay_speed"]
@@ -236,7 +289,7 @@ def _replay_events(
             t = origin + int(ev["t_ns"] / speed)
             plan.append((t, {**ev, "t_ns": t, "gpu_uuid": p.gpu_uuid}))
     if not plan:
-        raise RuntimeError("the replayed captures hold no step events")
+        raise StepmemError("the replayed captures hold no step events")
     plan.sort(key=lambda x: x[0])
     done = 0
     for t, ev in plan:
@@ -389,7 +442,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     spec, banner = choose_backend(opts)
     live_only = "--script" if opts.script else "--train-workers" if opts.train_workers else ""
     if live_only and spec.kind == "replay":
-        raise ValueError(
+        raise StepmemError(
             f"{live_only} needs the live NVML backend (a GPU); the replay backend plays "
             "recorded steps"
         )
@@ -429,7 +482,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     if opts.store is not None:
         writer = RunWriter(opts.store / options.run_id, _meta(opts, options, banner, placed))
         drainer = _Drainer(writer, placed, outbox)
-        echo(f"run store: {writer.root}")
+        echo(f"run store: {writer.root.resolve()}")
     summary: dict[str, Any] = {}
     status = "failed"
     error: BaseException | None = None
@@ -467,21 +520,7 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     finally:
         outbox.close()
         time.sleep(0.1)
-        records = []
-        for p in placed:
-            records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
-        records.sort(key=lambda r: (r["gpu_uuid"], r["step"]))
-        # Stop sampling, join what is pending and flush remote write on every sampler.
-        # Samplers this job launched are stopped; ones it found running (a daemon's) go on.
-        health = ray.get(
-            [
-                p.handle.stop.remote()
-                if p.info.get("run_id") == options.run_id
-                else p.handle.health.remote()
-                for p in placed
-            ],
-            timeout=60,
-        )
+        records, health = _final_records(placed, options.run_id, drainer, echo)
         if drainer is not None:
             drainer.stop()
             drainer.drain(flush_steps=True)
@@ -518,6 +557,35 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         failed = [r["step"] for r in records if r.get("error")]
         raise WorkloadFailed(error, min(failed) if failed else None) from error
     return records
+
+
+def _final_records(
+    placed: list[PlacedSampler], run_id: str, drainer: _Drainer | None, echo
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every GPU's step records, pending steps joined, and each sampler's final health. Samplers
+    this job launched are stopped (sampling, pending joins, remote write flushed); ones it found
+    running (a daemon's) go on. A sampler that cannot be reached (killed, its node gone) costs
+    only its own records: those the run store drained already are kept, and it is named."""
+    records: list[dict[str, Any]] = []
+    health: list[dict[str, Any]] = []
+    for p in placed:
+        try:
+            records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
+            end = p.handle.stop if p.info.get("run_id") == run_id else p.handle.health
+            health.append(ray.get(end.remote(), timeout=60))
+        except Exception as exc:  # a dead actor, a lost node, a timeout: never the job's end
+            kept = drainer.records.get(p.gpu_uuid, []) if drainer is not None else []
+            echo(
+                f"warning: sampler {p.name} unreachable at the end of the run "
+                f"({type(exc).__name__}); {len(kept)} of its step records were drained before"
+            )
+            records.extend(kept)
+            health.append({"alive": False, "unreachable": True, "error": type(exc).__name__})
+            if drainer is not None:
+                drainer.unreachable += 1
+    # the drained copy and a late flush can both hold a step: keep one per (GPU, step)
+    unique = {(r["gpu_uuid"], r["step"]): r for r in records}
+    return sorted(unique.values(), key=lambda r: (r["gpu_uuid"], r["step"])), health
 
 
 def _meta(

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from collector.errors import StepmemError
 from collector.records import DeviceInfo, MemoryInfo, ProcessMemory
 
 __all__ = [
@@ -57,8 +58,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NvmlError(RuntimeError):
-    """An NVML call failed. ``kind`` names the failure for counting; ``code`` is NVML's."""
+class NvmlError(StepmemError, RuntimeError):
+    """An NVML call failed (for the command, a user's problem: no driver, no such GPU).
+    ``kind`` names the failure for counting; ``code`` is NVML's."""
 
     kind = "unknown"
 

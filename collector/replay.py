@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from collector.errors import InputError, StepmemError
 from collector.nvml import (
     NvmlGpuLost,
     NvmlNotFound,
@@ -62,7 +63,7 @@ CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
 _NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
 
 
-class CaptureError(ValueError):
+class CaptureError(StepmemError, ValueError):
     """A capture file that is missing, unreadable or not a stepmem capture."""
 
 
@@ -148,6 +149,7 @@ class Capture:
             meta = json.loads(raw)
         except ValueError:
             raise CaptureError(f"capture {path} has corrupt metadata") from None
+        _check_meta(meta, path)
         if meta.get("format") != FORMAT:
             raise CaptureError(
                 f"capture {path} has format {meta.get('format')!r}; "
@@ -162,8 +164,6 @@ class Capture:
         if np.any(np.diff(t) < 0):
             raise CaptureError(f"capture {path} has timestamps out of order")
         dev = meta.get("device") or {}
-        if not dev.get("uuid") or not dev.get("total_bytes"):
-            raise CaptureError(f"capture {path} does not name its device's uuid and total_bytes")
         return cls(
             t_ns=t,
             used=table.column("used").to_numpy().astype(np.int64),
@@ -177,6 +177,51 @@ class Capture:
             notes=meta.get("notes", {}),
             name=path.name.removesuffix(".parquet").removesuffix(".capture"),
         )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_meta(meta: Any, path: Path) -> None:
+    """Raise :class:`CaptureError` naming the first field of a capture's metadata that is not
+    what a replay reads (captures are files anyone can edit)."""
+    from collector.records import STEP_EVENT_KINDS
+
+    bad = f"capture {path} has bad metadata:"
+    if not isinstance(meta, dict):
+        raise CaptureError(f"{bad} a JSON object was expected, got {type(meta).__name__}")
+    dev = meta.get("device")
+    if not isinstance(dev, dict):
+        raise CaptureError(f"{bad} 'device' must be an object, got {type(dev).__name__}")
+    if not isinstance(dev.get("uuid"), str) or not dev["uuid"]:
+        raise CaptureError(f"{bad} device.uuid must be a non-empty string")
+    if not _is_int(dev.get("total_bytes")) or dev["total_bytes"] <= 0:
+        raise CaptureError(f"{bad} device.total_bytes must be a positive integer")
+    if not isinstance(meta.get("rate_hz", 0), int | float):
+        raise CaptureError(f"{bad} rate_hz must be a number")
+    for key, kind in (("events", list), ("processes", list), ("notes", dict)):
+        if not isinstance(meta.get(key, kind()), kind):
+            raise CaptureError(f"{bad} '{key}' must be a {'list' if kind is list else 'mapping'}")
+    for i, ev in enumerate(meta.get("events", [])):
+        where = f"{bad} events[{i}]"
+        if not isinstance(ev, dict):
+            raise CaptureError(f"{where} is not an object")
+        if ev.get("kind") not in STEP_EVENT_KINDS:
+            raise CaptureError(f"{where}.kind {ev.get('kind')!r} is not one of {STEP_EVENT_KINDS}")
+        for k in ("step", "t_ns"):
+            if not _is_int(ev.get(k)) or ev[k] < 0:
+                raise CaptureError(f"{where}.{k} is missing or not a non-negative integer")
+        for k in ("torch", "ledger"):
+            if not isinstance(ev.get(k, {}), dict):
+                raise CaptureError(f"{where}.{k} must be a mapping")
+    for i, snap in enumerate(meta.get("processes", [])):
+        if not (
+            isinstance(snap, dict)
+            and _is_int(snap.get("t_ns"))
+            and isinstance(snap.get("procs"), list)
+        ):
+            raise CaptureError(f"{bad} processes[{i}] must have an integer t_ns and a procs list")
 
 
 def builtin_captures() -> dict[str, Path]:
@@ -221,7 +266,7 @@ class ReplayDevice:
         clock=time.monotonic_ns,
     ) -> None:
         if not speed > 0:
-            raise ValueError(f"replay speed must be > 0, got {speed}")
+            raise InputError(f"replay speed must be > 0, got {speed}")
         self.capture = capture
         self.info = info
         self.origin_ns = origin_ns
@@ -321,9 +366,9 @@ class ReplayBackend:
         self.captures = [Capture.load(resolve_capture(str(c))) for c in captures]
         self.gpus = len(self.captures) if gpus is None else gpus
         if self.gpus < 1:
-            raise ValueError(f"replay needs at least 1 simulated GPU, got {self.gpus}")
+            raise InputError(f"replay needs at least 1 simulated GPU, got {self.gpus}")
         if not speed > 0:
-            raise ValueError(f"replay speed must be > 0, got {speed}")
+            raise InputError(f"replay speed must be > 0, got {speed}")
         self.node_id = node_id
         self.origin_ns = time.monotonic_ns() if origin_ns is None else origin_ns
         self.speed = speed

@@ -12,8 +12,89 @@ from pathlib import Path
 from typing import Any
 
 from collector.diagnose import Finding, diagnose, g
+from collector.errors import InputError
+from collector.export.values import nontorch_bytes
 
 __all__ = ["Run", "compare", "load_run", "render_report"]
+
+
+_INT_FIELDS = ("begin_ns", "end_ns", "samples")
+_OPTIONAL_INT_FIELDS = (
+    "nvml_peak_bytes",
+    "nvml_peak_t_ns",
+    "nvml_min_bytes",
+    "nvml_end_bytes",
+    "nvml_reserved_bytes",
+    "torch_allocated_peak_bytes",
+    "torch_reserved_peak_bytes",
+)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_records(records: Any, source: str) -> list[dict[str, Any]]:
+    """``records`` if they are step records stepmem can read; otherwise :class:`InputError`
+    naming the first bad record and field (records come from files anyone can edit)."""
+    if not isinstance(records, list):
+        raise InputError(f"{source}: 'records' must be a list, got {type(records).__name__}")
+    for i, r in enumerate(records):
+        where = f"{source}: record {i}"
+        if not isinstance(r, dict):
+            raise InputError(f"{where} is not an object")
+        if not isinstance(r.get("gpu_uuid"), str) or not r["gpu_uuid"]:
+            raise InputError(f"{where}: gpu_uuid must be a non-empty string")
+        if not _is_int(r.get("step")) or r["step"] < 0:
+            raise InputError(f"{where}: step must be a non-negative integer, got {r.get('step')!r}")
+        for k in _INT_FIELDS:
+            if k in r and not _is_int(r[k]):
+                raise InputError(f"{where}: {k} must be an integer, got {r[k]!r}")
+        for k in _OPTIONAL_INT_FIELDS:
+            if r.get(k) is not None and not _is_int(r[k]):
+                raise InputError(
+                    f"{where}: {k} must be a whole number of bytes or null, got {r[k]!r}"
+                )
+        for k in ("torch_end", "torch_begin", "ledger"):
+            v = r.get(k)
+            if v is not None and not (
+                isinstance(v, dict)
+                and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v.values())
+            ):
+                raise InputError(f"{where}: {k} must map names to numbers")
+        if r.get("phases") is not None and not (
+            isinstance(r["phases"], list) and all(isinstance(p, dict) for p in r["phases"])
+        ):
+            raise InputError(f"{where}: phases must be a list of objects")
+        for k in ("gap", "error"):
+            if r.get(k) is not None and not isinstance(r[k], str):
+                raise InputError(f"{where}: {k} must be a string, got {r[k]!r}")
+    return records
+
+
+def check_meta(meta: Any, source: str) -> dict[str, Any]:
+    """Run metadata (``meta.json`` or a records file's header) stepmem can read, else
+    :class:`InputError` naming the field."""
+    if not isinstance(meta, dict):
+        raise InputError(f"{source}: must be a JSON object, got {type(meta).__name__}")
+    samplers = meta.get("samplers", [])
+    if not isinstance(samplers, list):
+        raise InputError(f"{source}: 'samplers' must be a list")
+    for i, smp in enumerate(samplers):
+        if not isinstance(smp, dict):
+            raise InputError(f"{source}: samplers[{i}] is not an object")
+        for k, ok in (
+            ("gpu_uuid", lambda v: isinstance(v, str) and v),
+            ("node_id", lambda v: isinstance(v, str)),
+            ("index", _is_int),
+            ("total_bytes", lambda v: _is_int(v) and v > 0),
+        ):
+            if not ok(smp.get(k)):
+                raise InputError(f"{source}: samplers[{i}].{k} is missing or of the wrong type")
+    for k in ("banner", "status", "run_id"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise InputError(f"{source}: {k} must be a string")
+    return meta
 
 
 class Run:
@@ -44,7 +125,9 @@ def _unflatten(row: dict[str, Any]) -> dict[str, Any]:
         elif k == "phases":
             rec["phases"] = json.loads(v)
         else:
-            rec[k] = v.item() if hasattr(v, "item") else v
+            v = v.item() if hasattr(v, "item") else v
+            # an integer column with a missing value reads back as floats
+            rec[k] = int(v) if isinstance(v, float) and v.is_integer() else v
     return rec
 
 
@@ -55,18 +138,22 @@ def load_run(path: str | Path) -> Run:
         from collector.store import RunStore
 
         store = RunStore(path)
+        check_meta(store.meta, str(path / "meta.json"))
         steps = store.steps()
         records = [] if steps is None else [_unflatten(r) for r in steps.to_dict("records")]
-        run = Run(path.name, store.meta, records)
+        run = Run(path.name, store.meta, check_records(records, str(path / "steps")))
         run.root = path
         return run
     if not path.is_file():
-        raise ValueError(f"{path} is neither a run directory nor a records file")
+        raise InputError(f"{path} is neither a run directory nor a records file")
     try:
         doc = json.loads(path.read_text())
-        return Run(path.stem, doc, doc["records"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path} is not a stepmem records file") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path} is not a stepmem records file ({exc})") from None
+    if not isinstance(doc, dict) or "records" not in doc:
+        raise InputError(f"{path} is not a stepmem records file (no 'records')")
+    check_meta(doc, str(path))
+    return Run(path.stem, doc, check_records(doc["records"], str(path)))
 
 
 def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
@@ -77,6 +164,9 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
     console = Console(width=150, record=True, file=io.StringIO())
     findings = {}
     console.print(f"[bold]stepmem report[/bold] {run.name}: {run.meta.get('banner', '')}")
+    status = _status_line(run.meta)
+    if status:
+        console.print(f"[bold]{status}[/bold]")
     for i, uuid in enumerate(run.gpus):
         recs = run.by_gpu[uuid]
         table = Table(title=f"GPU {i} {uuid} — memory per step (GiB)")
@@ -99,19 +189,15 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
         for r in recs:
             te, led = r.get("torch_end") or {}, r.get("ledger") or {}
             res = te.get("reserved_bytes.all.current")
-            nt = (
-                None
-                if res is None
-                else (r["nvml_end_bytes"] - res - te.get("context_baseline_bytes", 0))
-            )
+            nt = nontorch_bytes(r)
 
-            def c(v):
-                return "" if v is None else f"{v / (1 << 30):.2f}"
+            def c(v, missing=""):
+                return missing if v is None else f"{v / (1 << 30):.2f}"
 
             table.add_row(
                 str(r["step"]),
-                c(r["nvml_peak_bytes"]),
-                c(r["nvml_end_bytes"]),
+                c(r.get("nvml_peak_bytes"), "—"),  # not measured: no sample inside the step
+                c(r.get("nvml_end_bytes"), "—"),
                 c(r.get("torch_allocated_peak_bytes")),
                 c(te.get("allocated_bytes.all.current")),
                 c(r.get("torch_reserved_peak_bytes")),
@@ -133,6 +219,24 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
                 if lead:
                     console.print(f"   {lead}")
     return console.export_text(), findings
+
+
+STATUS = {
+    "interrupted": "Run INTERRUPTED (Ctrl-C, SIGTERM or `ray job stop`): the steps below are "
+    "the ones that ended before it stopped; the store was flushed.",
+    "running": "Run UNFINISHED: its store still says running — the job was killed without a "
+    "chance to flush (SIGKILL, the OOM killer, a lost node) or is still going; up to the last "
+    "2 s of samples and any step not yet joined may be missing.",
+    "failed": "Run FAILED: the workload raised; the failed step is marked below.",
+}
+
+
+def _status_line(meta: dict[str, Any]) -> str:
+    """What the run store says about how the run ended, when it did not simply complete."""
+    status = meta.get("status")
+    if status in (None, "complete"):
+        return ""
+    return STATUS.get(status, f"Run status: {status!r}.")
 
 
 def _lead_up(root: Path, uuid: str, recs: list[dict[str, Any]], step: int, n: int = 10) -> str:
@@ -173,14 +277,18 @@ METRICS = {
 
 def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
     """Markdown comparing NEW with BASE, GPU by GPU (in index order) and step by step; and
-    whether NEW regresses: some step's peak above BASE's by more than ``tolerance``."""
+    whether NEW fails: some step's peak above BASE's by more than ``tolerance``, a GPU count
+    that differs (every GPU is compared or the comparison fails), or steps of NEW without NVML
+    samples (their peaks cannot be checked)."""
     lines = [f"## stepmem compare: `{new.name}` against `{base.name}`", ""]
     regressed = False
+    problems: list[str] = []
     if len(base.gpus) != len(new.gpus):
-        lines.append(
-            f"GPU counts differ ({len(base.gpus)} vs {len(new.gpus)}): the first "
-            f"{min(len(base.gpus), len(new.gpus))} are compared in index order."
+        problems.append(
+            f"GPU counts differ: BASE has {len(base.gpus)}, NEW has {len(new.gpus)}; only runs "
+            "of the same shape compare GPU by GPU"
         )
+        lines += [f"**GPU counts differ** ({len(base.gpus)} vs {len(new.gpus)}).", ""]
     for i, (bu, nu) in enumerate(zip(base.gpus, new.gpus, strict=False)):
         b = {r["step"]: r for r in base.by_gpu[bu]}
         n = {r["step"]: r for r in new.by_gpu[nu]}
@@ -197,14 +305,31 @@ def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
             for key in METRICS:
                 bv, nv = b[s].get(key), n[s].get(key)
                 if bv is None or nv is None:
-                    cells.append("")
+                    cells.append("—" if key.startswith("nvml") else "")
                     continue
-                rel = (nv - bv) / bv if bv else 0.0
+                if not bv:
+                    cells.append(f"{g(bv)} → {g(nv)}")
+                    continue
+                rel = (nv - bv) / bv
                 worst[key] = max(worst.get(key, -math.inf), rel)
                 flag = " ⚠" if key.endswith("peak_bytes") and rel > tolerance else ""
                 cells.append(f"{g(bv)} → {g(nv)} ({100 * rel:+.1f} %){flag}")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
+        for which, recs, run in (("BASE", b, base), ("NEW", n, new)):
+            missing = [s for s in steps if recs[s].get("nvml_peak_bytes") is None]
+            if missing:
+                lines.append(
+                    f"- {which} has no NVML samples in {len(missing)} of {len(steps)} common "
+                    f"steps ({', '.join(map(str, missing))}): left out of the NVML columns."
+                )
+                if which == "NEW":
+                    problems.append(
+                        f"GPU {i}: {len(missing)} of NEW's steps have no NVML samples, so their "
+                        f"peaks cannot be checked (see `stepmem report {run.name}`)"
+                    )
+        if not steps:
+            problems.append(f"GPU {i}: no step in common")
         for key, label in METRICS.items():
             if key in worst:
                 more = "more" if worst[key] > 0 else "less or the same"
@@ -214,18 +339,24 @@ def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
                 )
                 if key.endswith("peak_bytes") and worst[key] > tolerance:
                     regressed = True
-        bm = max((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in b.values())
-        nm = max((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in n.values())
+        bm = max(
+            ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in b.values()),
+            default=0,
+        )
+        nm = max(
+            ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in n.values()),
+            default=0,
+        )
         if bm != nm:
             lines.append(
                 f"- managed (paged) optimizer state: {g(bm)} → {g(nm)}, outside the "
                 "torch allocator, inside NVML used."
             )
         lines.append("")
-    verdict = (
-        f"**Regression**: a within-step peak grew by more than {100 * tolerance:g} %."
-        if regressed
-        else f"No peak grew by more than {100 * tolerance:g} %."
-    )
-    lines.append(verdict)
-    return "\n".join(lines) + "\n", regressed
+    if problems:
+        lines += ["**Cannot compare**:", *(f"- {p}." for p in problems), ""]
+    if regressed:
+        lines.append(f"**Regression**: a within-step peak grew by more than {100 * tolerance:g} %.")
+    elif not problems:
+        lines.append(f"No peak grew by more than {100 * tolerance:g} %.")
+    return "\n".join(lines) + "\n", regressed or bool(problems)

@@ -36,6 +36,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from collector.errors import StepmemError
+
 __all__ = ["RunStore", "RunWriter", "StoreError", "flatten_record"]
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 
-class StoreError(ValueError):
+class StoreError(StepmemError, ValueError):
     """A path that is not a readable run directory."""
 
 
@@ -102,6 +104,8 @@ class RunWriter:
         self._parts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._warned = False
+        if (self.root / "meta.json").exists():
+            raise StoreError(f"{self.root} already holds a run; a run never overwrites another")
         try:
             (self.root / "samples").mkdir(parents=True, exist_ok=True)
             (self.root / "steps").mkdir(exist_ok=True)
@@ -221,8 +225,10 @@ class RunStore:
             raise StoreError(f"{self.root} is not a stepmem run directory (no meta.json)")
         try:
             self.meta = json.loads(meta_path.read_text())
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             raise StoreError(f"{meta_path} is corrupt") from None
+        if not isinstance(self.meta, dict):
+            raise StoreError(f"{meta_path}: must be a JSON object, got {type(self.meta).__name__}")
         if self.meta.get("format") != FORMAT:
             raise StoreError(
                 f"{self.root}: run store format {self.meta.get('format')!r}, "

@@ -5,6 +5,7 @@ import time
 import pytest
 import ray
 
+from collector.errors import StepmemError
 from collector.placement import (
     NAMESPACE,
     BackendSpec,
@@ -51,7 +52,7 @@ def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
 
     if nvml_available():
         pytest.skip("this machine has GPUs")
-    with pytest.raises(RuntimeError, match="no GPU found on any alive Ray node"):
+    with pytest.raises(StepmemError, match="no GPU found on any alive Ray node"):
         launch_samplers(BackendSpec("nvml"), loopback())
 
 

@@ -13,13 +13,15 @@ import importlib
 import json
 from typing import Any
 
+from collector.errors import InputError
+
 WORKLOADS = ("finetune", "spiky", "patterns")
 
 
 def load(name: str) -> Any:
     """The module of a built-in workload; ``ValueError`` for an unknown name."""
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
+        raise InputError(f"unknown workload {name!r} ({', '.join(WORKLOADS)})")
     return importlib.import_module(f"workloads.{name}")
 
 
@@ -30,7 +32,7 @@ def parse(name: str, argv: list[str]) -> tuple[Any, argparse.Namespace]:
     p = wl.parser()
 
     def error(message: str) -> None:
-        raise ValueError(f"workload {name}: {message}")
+        raise InputError(f"workload {name}: {message}")
 
     p.error = error  # type: ignore[method-assign]
     return wl, _checked(wl, p, argv, error)
