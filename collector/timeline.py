@@ -1,10 +1,12 @@
-"""A run's timeline as a picture: one panel per GPU, time in seconds from the first sample.
+"""A run's timeline as a picture: one panel per GPU, time in seconds from the first step.
 
 Each panel: the NVML ``used`` trace at full rate (from the run store), steps as alternating bands,
-per step the torch reserved peak and end (shifted up by the CUDA-context baseline so they sit on
-NVML's scale), the NVML within-step peak marked at the moment it happened, and the ledger at each
-step end as a stacked band under the trace. ``render_png`` uses matplotlib (Agg);
-``render_html`` writes a self-contained interactive page with plotly.
+per step the NVML within-step peak (a red bar across the step, a triangle at the moment it
+happened) against the NVML reading at the step's end (a blue dot), torch reserved at the end
+(shifted up by the CUDA-context baseline so it sits on NVML's scale), and the ledger at each step
+end as a stacked band under the trace. The PNG shows the steps (idle lead-in and tail trimmed)
+on an axis scaled to the data; a card far above the data is named in a note rather than drawn.
+``render_png`` uses matplotlib (Agg); ``render_html`` writes an interactive page with plotly.
 """
 
 from __future__ import annotations
@@ -55,7 +57,12 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
                     "begin": (r["begin_ns"] - t0) / 1e9,
                     "end": (r["end_ns"] - t0) / 1e9,
                     "peak_t": ((r.get("nvml_peak_t_ns") or r["end_ns"]) - t0) / 1e9,
-                    "nvml_peak": r["nvml_peak_bytes"] / GIB,
+                    "nvml_peak": None
+                    if r.get("nvml_peak_bytes") is None
+                    else r["nvml_peak_bytes"] / GIB,
+                    "nvml_end": None
+                    if r.get("nvml_end_bytes") is None
+                    else r["nvml_end_bytes"] / GIB,
                     "reserved_peak": None
                     if r.get("torch_reserved_peak_bytes") is None
                     else (r["torch_reserved_peak_bytes"] + base) / GIB,
@@ -78,6 +85,22 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
     return panels
 
 
+LEAD = 0.04  # trace kept before the first step and after the last: this share of the steps' span
+FAR = 2.0  # a capacity line above FAR x the data's top is a note, not a line
+
+
+def _view(p: dict[str, Any]) -> tuple[float, float, list[float], list[float]]:
+    """The x range around the steps, and the trace inside it."""
+    if p["steps"]:
+        lo = min(s["begin"] for s in p["steps"])
+        hi = max(s["end"] for s in p["steps"])
+        lo, hi = lo - LEAD * (hi - lo), hi + LEAD * (hi - lo)
+    else:
+        lo, hi = (p["t"][0], p["t"][-1]) if p["t"] else (0.0, 1.0)
+    keep = [(t, u) for t, u in zip(p["t"], p["used"], strict=True) if lo <= t <= hi]
+    return lo, hi, [t for t, _ in keep], [u for _, u in keep]
+
+
 def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     import matplotlib
 
@@ -85,9 +108,12 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     panels = _panels(run, store)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.2 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.6 * len(panels)), squeeze=False)
     for ax, p in zip(axes[:, 0], panels, strict=True):
-        for k, s in enumerate(p["steps"]):
+        x0, x1, t, used = _view(p)
+        steps = p["steps"]
+        every = max(1, len(steps) // 25)  # at most ~25 step numbers on the axis
+        for k, s in enumerate(steps):
             if s["error"]:  # a step that failed (OOM) or was interrupted
                 ax.axvspan(s["begin"], s["end"], color="#f4c7c3", zorder=0)
                 ax.text(
@@ -101,20 +127,21 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
                     va="center",
                 )
                 continue
-            ax.axvspan(s["begin"], s["end"], color="#eeeeee" if k % 2 else "#f7f7f7", zorder=0)
-            ax.text(
-                (s["begin"] + s["end"]) / 2,
-                0.01,
-                str(s["step"]),
-                transform=ax.get_xaxis_transform(),
-                ha="center",
-                fontsize=7,
-                color="#888888",
-            )
-        ends = [s["end"] for s in p["steps"]]
+            ax.axvspan(s["begin"], s["end"], color="#e8e8e8" if k % 2 else "#f6f6f6", zorder=0)
+            if k % every == 0:
+                ax.text(
+                    (s["begin"] + s["end"]) / 2,
+                    0.01,
+                    str(s["step"]),
+                    transform=ax.get_xaxis_transform(),
+                    ha="center",
+                    fontsize=7,
+                    color="#777777",
+                )
+        ends = [s["end"] for s in steps]
         bottom = [0.0] * len(ends)
         for kind in LEDGER:
-            vals = [s["ledger"][kind] for s in p["steps"]]
+            vals = [s["ledger"][kind] for s in steps]
             if any(vals):
                 tops = [b + v for b, v in zip(bottom, vals, strict=True)]
                 ax.fill_between(
@@ -122,50 +149,98 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
                     bottom,
                     tops,
                     step="pre",
-                    alpha=0.35,
+                    alpha=0.3,
                     color=COLORS[kind],
                     label=f"ledger: {kind.replace('_', ' ')}",
                     lw=0,
                 )
                 bottom = tops
-        ax.plot(p["t"], p["used"], lw=0.8, color="black", label="NVML used (full rate)")
-        ax.scatter(
-            [s["peak_t"] for s in p["steps"]],
-            [s["nvml_peak"] for s in p["steps"]],
-            marker="v",
+        ax.plot(t, used, lw=0.7, color="#333333", label="NVML used (full rate)", zorder=2)
+        measured = [s for s in steps if s["nvml_peak"] is not None]
+        # peak against end, per step: a red bar at the peak across the step, a blue dot at the
+        # end reading; the gap between them is what an end-of-step reading hides
+        ax.hlines(
+            [s["nvml_peak"] for s in measured],
+            [s["begin"] for s in measured],
+            [s["end"] for s in measured],
             color="crimson",
-            s=25,
+            lw=1.6,
             zorder=3,
             label="NVML within-step peak",
         )
-        rp = [(s["end"], s["reserved_peak"]) for s in p["steps"] if s["reserved_peak"]]
-        re = [(s["end"], s["reserved_end"]) for s in p["steps"] if s["reserved_end"]]
-        if rp:
-            ax.scatter(
-                *zip(*rp, strict=True),
-                marker="_",
-                s=200,
-                color="#1f77b4",
-                zorder=3,
-                label="torch reserved peak + context",
-            )
+        ax.scatter(
+            [s["peak_t"] for s in measured],
+            [s["nvml_peak"] for s in measured],
+            marker="v",
+            color="crimson",
+            s=22,
+            zorder=4,
+        )
+        ended = [s for s in steps if s["nvml_end"] is not None]
+        ax.scatter(
+            [s["end"] for s in ended],
+            [s["nvml_end"] for s in ended],
+            marker="o",
+            s=18,
+            color="#1f5fbf",
+            zorder=4,
+            label="NVML at step end",
+        )
+        re = [(s["end"], s["reserved_end"]) for s in steps if s["reserved_end"]]
         if re:
             ax.scatter(
                 *zip(*re, strict=True),
-                marker="o",
-                s=14,
-                color="#1f77b4",
-                zorder=3,
+                marker="_",
+                s=140,
+                color="#e08000",
+                zorder=4,
                 label="torch reserved at step end + context",
             )
-        if p["total"]:
+        spread = [
+            (s["nvml_peak"] - s["nvml_end"], s) for s in measured if s["nvml_end"] is not None
+        ]
+        if spread:
+            gap, big = max(spread, key=lambda x: x[0])
+            if gap > 0:
+                ax.annotate(
+                    f"step {big['step']}: peak {big['nvml_peak']:.2f} GiB, "
+                    f"end {big['nvml_end']:.2f} GiB (+{gap:.2f})",
+                    xy=(big["peak_t"], big["nvml_peak"]),
+                    xytext=(0, 14),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                    color="crimson",
+                    arrowprops={"arrowstyle": "-", "color": "crimson", "lw": 0.6},
+                    zorder=5,
+                )
+        values = [*used, *(s["nvml_peak"] for s in measured), *(v for _, v in re)]
+        values += [sum(s["ledger"].values()) for s in steps]
+        top = max(values, default=p["total"] or 1.0)
+        low = min(values, default=0.0)
+        y0 = 0.0 if low < 0.5 * top else low - 0.1 * (top - low)
+        y1 = top + 0.15 * (top - y0)
+        if p["total"] and p["total"] <= FAR * top:
             ax.axhline(p["total"], color="#aa0000", lw=0.6, ls="--", label="capacity")
+            y1 = max(y1, p["total"] * 1.03)
+        elif p["total"]:
+            ax.text(
+                0.99,
+                0.97,
+                f"capacity {p['total']:.1f} GiB (off scale; peak uses "
+                f"{100 * max((s['nvml_peak'] for s in measured), default=0) / p['total']:.1f} %)",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+                color="#aa0000",
+            )
+        ax.set_ylim(y0, y1)
+        ax.set_xlim(x0, x1)
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("seconds since the first sample")
         ax.set_ylabel("GiB")
-        top = max([p["total"], *p["used"], *(s["nvml_peak"] for s in p["steps"])], default=0)
-        ax.set_ylim(bottom=0, top=top * 1.05 or None)  # the capacity line stays in view
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0)
     fig.suptitle(f"stepmem timeline — run {run.name}", fontsize=10)
     fig.tight_layout()
     out = Path(out)
