@@ -33,6 +33,9 @@ def ray_cluster() -> Iterator[None]:
     from collector.placement import forget_samplers
 
     ray.init(
+        # "local": always a cluster of its own, never the `ray start` head that
+        # /tmp/ray/ray_current_cluster or RAY_ADDRESS names (another test's, or a user's)
+        address="local",
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         num_cpus=2,
