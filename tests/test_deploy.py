@@ -97,36 +97,82 @@ def test_the_podmonitor_finds_every_gpus_sampler_and_only_on_gpu_workers(manifes
         assert all(len(name) <= 15 for name in ports)  # Kubernetes' limit on port names
 
 
+def _stack_env(tmp_path, ports, **extra):
+    import os
+
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path / "home"),  # Ray writes its auth token under ~/.ray
+        "STEPMEM_LOCAL_DIR": str(tmp_path / "local"),
+        **{f"STEPMEM_{k}_PORT": str(v) for k, v in ports.items()},
+        **extra,
+    }
+    # as a user's shell has it: Ray's default, token authentication on
+    env.pop("RAY_AUTH_MODE", None)
+    return env
+
+
+def _require_stack_binaries():
+    import shutil
+
+    from tests.prom import require
+
+    require("prometheus")
+    if shutil.which("alertmanager") is None:
+        require("prometheus-alertmanager")  # Debian's name for it
+
+
+def _port_free(port) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _who_listens(ports) -> str:
+    import subprocess
+
+    return subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout + str(ports)
+
+
 @pytest.mark.ray
 def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmanager(tmp_path):
     import json
-    import os
     import subprocess
+    import sys
+    import urllib.error
     import urllib.request
 
     from tests.conftest import wait_for
-    from tests.prom import free_port, require
+    from tests.prom import free_port
 
-    require("prometheus")
-    import shutil
-
-    if shutil.which("alertmanager") is None:
-        require("prometheus-alertmanager")  # Debian's name for it
+    _require_stack_binaries()
     ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
-    env = {
-        **os.environ,
-        "STEPMEM_LOCAL_DIR": str(tmp_path / "local"),
-        **{f"STEPMEM_{k}_PORT": str(v) for k, v in ports.items()},
-    }
+    env = _stack_env(tmp_path, ports)
+    # As on a machine where a local `ray.init()` ran before: a token in ~/.ray, so `ray start`
+    # turns token authentication on (the dashboard answered the old up.sh 401 and it gave up)
+    ray_bin = Path(sys.executable).parent / "ray"
+    subprocess.run(
+        [str(ray_bin), "get-auth-token", "--generate"], env=env, capture_output=True, check=True
+    )
     up = ROOT / "deploy" / "local" / "up.sh"
     down = ROOT / "deploy" / "local" / "down.sh"
+    current = Path("/tmp/ray/ray_current_cluster")
+    head = f"127.0.0.1:{ports['RAY']}"
     try:
         r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"http://127.0.0.1:{ports['DASHBOARD']}" in r.stdout
+        assert "Ray token auth on" in r.stdout
 
-        def get(port, path):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        def get(port, path, headers=None):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+            with urllib.request.urlopen(req, timeout=10) as resp:
                 return json.load(resp)
 
         groups = get(ports["PROM"], "/api/v1/rules")["data"]["groups"]
@@ -140,7 +186,41 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
 
         wait_for(lambda: active() == want, timeout=60)  # discovered shortly after start
         assert get(ports["AM"], "/api/v2/status")["cluster"]["status"] in ("disabled", "ready")
-        assert get(ports["DASHBOARD"], "/api/version")["ray_version"]
+        # token authentication is on: without the token the dashboard refuses, with it answers
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            get(ports["DASHBOARD"], "/api/version")
+        assert refused.value.code == 401
+        token = (tmp_path / "home" / ".ray" / "auth_token").read_text().strip()
+        auth = {"Authorization": f"Bearer {token}"}
+        assert get(ports["DASHBOARD"], "/api/version", auth)["ray_version"]
+        # `ray start` names its head the machine's current cluster (shortly after it serves)
+        wait_for(lambda: current.exists() and current.read_text().strip() == head, timeout=30)
     finally:
         d = subprocess.run([str(down)], env=env, capture_output=True, text=True, timeout=120)
     assert d.stdout.count("stopped") == 3, d.stdout + d.stderr
+    # a stopped head is not left as the machine's "current" Ray cluster
+    assert not current.exists() or current.read_text().strip() != head
+    busy = {k: p for k, p in ports.items() if not _port_free(p)}  # nothing left behind
+    assert not busy, _who_listens(busy)
+
+
+@pytest.mark.ray
+def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path):
+    """A Ray that never answers: up.sh says so, exits 1, and stops Prometheus and Alertmanager
+    it had started (nothing left running, ports free, no pid files)."""
+    import subprocess
+
+    from tests.prom import free_port
+
+    _require_stack_binaries()
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text("#!/bin/sh\nexec sleep 600\n")  # starts, never serves a dashboard
+    fake_ray.chmod(0o755)
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
+    env = _stack_env(tmp_path, ports, RAY_BIN=str(fake_ray), STEPMEM_UP_TIMEOUT_S="5")
+    up = ROOT / "deploy" / "local" / "up.sh"
+    r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Ray did not start" in r.stdout
+    assert not list((tmp_path / "local").glob("*.pid"))
+    assert all(_port_free(ports[k]) for k in ("PROM", "AM")), ports

@@ -2,17 +2,25 @@
 # Stop what deploy/local/up.sh started (only that: other Ray clusters on the machine stay).
 set -uo pipefail
 dir=${STEPMEM_LOCAL_DIR:-/tmp/stepmem-local}
+# running, not a zombie: the script that started it has exited, and an init that does not reap
+# (some containers) leaves an exited child as a zombie that `kill -0` still finds
+alive() { kill -0 "$1" 2>/dev/null && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]; }
+session_alive() { ps -s "$1" -o stat= 2>/dev/null | grep -qv '^Z'; }  # any of session $1 running
 for name in ray prometheus alertmanager; do
   pidfile="$dir/$name.pid"
   [ -f "$pidfile" ] || continue
   pid=$(cat "$pidfile")
   if [ "$name" = ray ]; then
-    kill -INT -- "-$pid" 2>/dev/null   # the head's session: `ray start --block` stops its processes
+    # The head runs in a session of its own (setsid): Ctrl-C to it, `ray start --block` stops
+    # its processes in order; whatever of that session is still there after 30 s is killed.
+    kill -INT -- "-$pid" 2>/dev/null
+    for _ in $(seq 60); do session_alive "$pid" || break; sleep 0.5; done
+    session_alive "$pid" && pkill -KILL -s "$pid" 2>/dev/null
   else
     kill "$pid" 2>/dev/null
+    for _ in $(seq 60); do alive "$pid" || break; sleep 0.5; done
+    alive "$pid" && kill -KILL "$pid" 2>/dev/null
   fi
-  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
   rm -f "$pidfile"
   echo "stopped $name"
 done

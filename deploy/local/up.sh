@@ -3,7 +3,8 @@
 # config and alert rules (remote-write receiver on), and Alertmanager with stepmem's routing.
 #   deploy/local/up.sh            # then submit jobs (printed below); deploy/local/down.sh stops all
 # Ports and the state folder can be moved with STEPMEM_LOCAL_DIR, STEPMEM_RAY_PORT,
-# STEPMEM_DASHBOARD_PORT, STEPMEM_PROM_PORT, STEPMEM_AM_PORT.
+# STEPMEM_DASHBOARD_PORT, STEPMEM_PROM_PORT, STEPMEM_AM_PORT; STEPMEM_UP_TIMEOUT_S bounds each
+# readiness wait (60 s). If anything does not come up, what was started is stopped again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${STEPMEM_LOCAL_DIR:-/tmp/stepmem-local}
@@ -28,33 +29,78 @@ echo $! > "$dir/prometheus.pid"
   --cluster.listen-address= --log.level=warn > "$dir/alertmanager.log" 2>&1 &
 echo $! > "$dir/alertmanager.pid"
 # The Ray head in the foreground of its own session (--block), so down.sh stops this head only.
+# A script's background job starts with SIGINT ignored, and `ray start --block` would keep it
+# so: SIGINT is set back to its default first, and down.sh's Ctrl-C stops the head in order.
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30} \
-  setsid "$ray_bin" start --head --block --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
+  setsid python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])' "$ray_bin" start --head --block --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
   --port="$ray_port" --dashboard-port="$dash_port" --disable-usage-stats \
   > "$dir/ray.log" 2>&1 &
 echo $! > "$dir/ray.pid"
 echo "127.0.0.1:$ray_port" > "$dir/ray.address"
 
-ready() {  # up to 60 s
-  python3 - "$1" <<'PY'
-import sys, time, urllib.request
-for _ in range(120):
+# Anything below that fails stops what this script started (down.sh) before exiting.
+up=0
+trap '[ "$up" = 1 ] || STEPMEM_LOCAL_DIR="$dir" "$root/deploy/local/down.sh" >/dev/null 2>&1' EXIT
+
+# Ray (2.60, the pinned version) starts a head with token authentication when RAY_AUTH_MODE=token
+# or, with RAY_AUTH_MODE unset, when a token exists (any earlier local `ray.init()` writes
+# ~/.ray/auth_token): the dashboard then answers 401 without "Authorization: Bearer <token>".
+# Ray's CLI finds the token itself (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, else
+# ~/.ray/auth_token); so does this check.
+ready() {  # up to STEPMEM_UP_TIMEOUT_S (60 s); exit 3 when the server answers but refuses our credentials
+  python3 - "$1" "${STEPMEM_UP_TIMEOUT_S:-60}" <<'PY'
+import os, sys, time, urllib.error, urllib.request
+from pathlib import Path
+
+def token():
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return path.read_text().strip() if path.is_file() else None
+
+refused = False
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    req = urllib.request.Request(sys.argv[1])
+    if token():  # read each time: a new head writes its token as it starts
+        req.add_header("Authorization", f"Bearer {token()}")
     try:
-        urllib.request.urlopen(sys.argv[1], timeout=2).read()
+        urllib.request.urlopen(req, timeout=2).read()
         sys.exit(0)
+    except urllib.error.HTTPError as e:
+        refused = e.code in (401, 403)
+        time.sleep(0.5)
     except OSError:
         time.sleep(0.5)
-sys.exit(1)
+sys.exit(3 if refused else 1)
 PY
 }
 ready "http://127.0.0.1:$prom_port/-/ready" || { echo "Prometheus did not start: $dir/prometheus.log"; exit 1; }
 ready "http://127.0.0.1:$am_port/-/ready" || { echo "Alertmanager did not start: $dir/alertmanager.log"; exit 1; }
-ready "http://127.0.0.1:$dash_port/api/version" || { echo "Ray did not start: $dir/ray.log"; exit 1; }
+rc=0; ready "http://127.0.0.1:$dash_port/api/version" || rc=$?
+if [ "$rc" = 3 ]; then
+  echo "Ray started with token authentication but its token was not found (RAY_AUTH_TOKEN," \
+       "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); stopped it. Set RAY_AUTH_MODE=disabled for a" \
+       "loopback-only stack, or put the token where Ray looks: $dir/ray.log"
+  exit 1
+elif [ "$rc" != 0 ]; then
+  echo "Ray did not start: $dir/ray.log"
+  exit 1
+fi
+up=1
+if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+    "http://127.0.0.1:$dash_port/api/version" 2>/dev/null; then
+  auth="off (the head found no token and RAY_AUTH_MODE is not token)"
+else
+  auth="on: ray CLI and ray.init find the token themselves; browsers ask for \`ray get-auth-token\`"
+fi
 cat <<MSG
 stepmem local stack up (state in $dir):
   Ray head       http://127.0.0.1:$dash_port   (GCS 127.0.0.1:$ray_port)
   Prometheus     http://127.0.0.1:$prom_port   (stepmem config, alert rules, remote-write receiver)
   Alertmanager   http://127.0.0.1:$am_port
+  Ray token auth $auth
 Submit a run (replay without a GPU, the real workload with one):
   ray job submit --address http://127.0.0.1:$dash_port --working-dir . -- python -m collector.job \\
       --targets $root/deploy/prometheus/targets/stepmem.json \\
