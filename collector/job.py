@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,16 +124,30 @@ def _rate(rate_hz: float) -> str:
     return "max rate" if rate_hz == 0 else f"{rate_hz:g} Hz"
 
 
-def terminate_as_interrupt() -> None:
+def terminate_as_interrupt(echo=print) -> None:
     """SIGTERM (``ray job stop``, a scheduler's kill) ends the run like Ctrl-C: samplers stopped,
-    the run store flushed and marked ``interrupted``."""
+    the run store flushed and marked ``interrupted``. Only the first SIGINT or SIGTERM does: the
+    ones that follow while the run stops (a user pressing Ctrl-C again) are answered with a line
+    and otherwise ignored, so the flush and Ray's shutdown are not cut short into tracebacks and
+    orphaned processes. SIGKILL still ends it at once (and :mod:`collector.reaper` removes a
+    local cluster's processes then)."""
     import signal
 
+    stopping = False
+
     def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt(f"signal {signum}")
+        echo(
+            "stepmem: already stopping (stopping samplers, flushing the run store, stopping Ray); "
+            "kill -9 abandons the flush"
+        )
 
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
 
 def loopback_only_ray() -> None:
@@ -179,24 +194,28 @@ def connect_ray(address: str | None) -> None:
     ray.init(address=address, namespace="stepmem")
 
 
-def _init_ray(address: str | None) -> bool:
+def _init_ray(address: str | None) -> str | None:
     """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
-    loopback. Returns True when this process started a local cluster."""
+    loopback. Returns a token when this process started a local cluster (see
+    :func:`stop_local_ray`), else None."""
     import os
 
     if ray.is_initialized():
-        return False
+        return None
     if address or os.environ.get("RAY_ADDRESS"):
         connect_ray(address)
-        return False
-    start_local_ray()
-    return True
+        return None
+    return start_local_ray() or "local"
 
 
-def start_local_ray(**options: Any) -> None:
+def start_local_ray(**options: Any) -> str | None:
     """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
-    without a cluster, the benchmarks). ``options`` go to ``ray.init``."""
+    without a cluster, the benchmarks). ``options`` go to ``ray.init``. Its processes go with
+    this one however it ends (:func:`collector.reaper.guard`); returns the reaper's token."""
+    from collector import reaper
+
     loopback_only_ray()
+    token = reaper.guard()
     ray.init(
         # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
         # (a `ray start` head that may be long gone)
@@ -206,6 +225,17 @@ def start_local_ray(**options: Any) -> None:
         namespace="stepmem",
         **{"configure_logging": False, **options},
     )
+    return token
+
+
+def stop_local_ray(token: str | None) -> None:
+    """Shut down the local cluster :func:`start_local_ray` started, then remove any of its
+    processes still there (Ray's agents outlive ``ray.shutdown()`` by up to a minute)."""
+    from collector import reaper
+
+    ray.shutdown()
+    if token and token != "local":
+        reaper.reap(token)
 
 
 class _Drainer:
@@ -447,8 +477,24 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
             "recorded steps"
         )
     echo(banner)
+    import signal
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     local = _init_ray(opts.ray_address)
-    terminate_as_interrupt()  # after ray.init, which installs a SIGTERM handler of its own
+    terminate_as_interrupt(echo)  # after ray.init, which installs a SIGTERM handler of its own
+    try:
+        return _run_on_ray(opts, spec, banner, local is not None, echo)
+    finally:
+        if local is not None:  # ours: stopped now, not by Ray's atexit hook a signal can cut
+            stop_local_ray(local)
+        for sig, h in handlers.items():  # the caller's handlers again
+            with contextlib.suppress(ValueError, TypeError):  # not the main thread / not Python's
+                signal.signal(sig, h)
+
+
+def _run_on_ray(
+    opts: JobOptions, spec: BackendSpec, banner: str, local: bool, echo
+) -> list[StepRecord | dict[str, Any]]:
     # A cluster this job started itself is a single machine: keep /metrics on loopback there.
     addr = opts.metrics_addr or ("127.0.0.1" if local else None)
     options = SamplerOptions(
@@ -541,6 +587,9 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
         Run(options.run_id, {"banner": banner, "samplers": [p.info for p in placed]}, records)
     )
     echo(text.rstrip())
+    if writer is not None:
+        where = shlex.quote(str(writer.root.resolve()))
+        echo(f"again, or with --png/--html: stepmem report {where}")
     if opts.out:
         doc = {
             "banner": banner,

@@ -163,7 +163,7 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
 
     console = Console(width=150, record=True, file=io.StringIO())
     findings = {}
-    console.print(f"[bold]stepmem report[/bold] {run.name}: {run.meta.get('banner', '')}")
+    console.print(f"[bold]Run {run.name}[/bold] — {run.meta.get('banner', '')}")
     status = _status_line(run.meta)
     if status:
         console.print(f"[bold]{status}[/bold]")

@@ -2,6 +2,7 @@
 traceback; the main job runs the whole pipeline on the replay backend and says so first."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -201,8 +202,12 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     assert len(store.steps()) == 6 and len(store.events()) == 2 * 4 * 3  # begin, 2 phases, end
     for uuid in store.gpus():
         assert len(store.samples(uuid)) > 500  # the full-rate trace, not a summary
+    # the job ends with the command that shows its report again, and that command runs
+    (again,) = [ln for ln in res.stdout.splitlines() if ln.startswith("again, or with --png")]
+    word, sub, *where = shlex.split(again.split(": ", 1)[1])
+    assert (word, sub, where) == ("stepmem", "report", [str(run.resolve())])
     png, html = tmp_path / "t.png", tmp_path / "t.html"
-    rep = stepmem("report", str(run), "--png", str(png), "--html", str(html))
+    rep = stepmem(sub, *where, "--png", str(png), "--html", str(html))
     assert rep.returncode == 0, rep.stderr
     assert "Steady state" in rep.stdout or "No steady state" in rep.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
