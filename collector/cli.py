@@ -506,7 +506,10 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
         f"stepmem daemon: {ns.backend} samplers on every GPU node, rescanning every "
         f"{ns.rescan:g} s (Ctrl-C leaves them running; --stop removes them)"
     )
-    run_daemon(spec, options, ns.rescan, ns.targets)
+    try:
+        run_daemon(spec, options, ns.rescan, ns.targets)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the daemon's normal end
+        print("stepmem daemon: stopped; its samplers stay (stepmem daemon --stop removes them)")
     return 0
 
 

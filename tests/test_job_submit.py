@@ -83,7 +83,7 @@ def ray_head():
             time.sleep(1)
         else:
             pytest.fail("the Ray head's job server did not answer within 90 s")
-        yield address, env
+        yield address, env, f"127.0.0.1:{ports['--port']}"
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # --block: the head stops its processes
         try:
@@ -154,7 +154,7 @@ def _wait_status(address, env, job_id, word: str, timeout_s: float) -> str:
 
 
 def test_ray_job_submit_runs_samplers_a_store_a_report_and_is_scraped(ray_head, tmp_path):
-    address, env = ray_head
+    address, env, _ = ray_head
     require("prometheus")
     prom = Prometheus(tmp_path / "prom").start()
     try:
@@ -216,7 +216,7 @@ def test_ray_job_submit_runs_samplers_a_store_a_report_and_is_scraped(ray_head, 
 
 
 def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path, record_fault):
-    address, env = ray_head
+    address, env, _ = ray_head
     store = tmp_path / "runs"
     r = _submit(
         address,
@@ -252,3 +252,58 @@ def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path, recor
         steps_stored=len(run.by_gpu[uuid]),
         samples_lost=run.meta.get("samples_lost"),
     )
+
+
+def test_a_daemon_given_a_loopback_address_keeps_it_and_stops_on_sigterm(ray_head, tmp_path):
+    """`RAY_ADDRESS=127.0.0.1:PORT stepmem daemon` in a plain shell (without
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER): Ray used to swap 127.0.0.1 for the machine's outward
+    address, wait there for a node that never answers and ignore SIGTERM meanwhile."""
+    _, env, gcs = ray_head
+    env = {k: v for k, v in env.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    targets = tmp_path / "targets.json"
+    daemon = [sys.executable, "-m", "collector.cli", "daemon"]
+    proc = subprocess.Popen(
+        [
+            *daemon,
+            "--backend",
+            "replay",
+            "--gpus",
+            "1",
+            "--rescan",
+            "1",
+            "--metrics-addr",
+            "127.0.0.1",
+            "--targets",
+            str(targets),
+        ],
+        env={**env, "RAY_ADDRESS": gcs},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not (targets.exists() and json.loads(targets.read_text() or "[]")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("no loopback target within 90 s:\n" + proc.communicate()[0][-3000:])
+            time.sleep(0.5)
+        (group,) = json.loads(targets.read_text())
+        assert all(t.startswith("127.0.0.1:") for t in group["targets"]), group
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)  # a daemon that ignores SIGTERM fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "stepmem daemon: stopped; its samplers stay" in out
+    stop = subprocess.run(
+        [*daemon, "--stop", "--address", gcs],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stop.returncode == 0 and "1 samplers stopped" in stop.stdout, stop.stdout + stop.stderr
