@@ -28,12 +28,15 @@ FILES = [
     "tests/test_cli.py",
     "tests/test_report.py",
     "tests/test_job_submit.py",
+    "tests/test_trust.py",
+    "tests/test_deploy.py",
 ]
 SELECT = (
     "nvml_errors or killed_mid_run or buffered_steps or a_400 or credentials or 5xx or "
     "slow_receiver or malformed or sigkill or write_failures or bad_input or corrupt_and_foreign "
     "or not_a_run or sigterm or job_stop or recorded_oom or dead_sampler or stalled_sampler or "
-    "stopped_by_ray_job_stop"
+    "stopped_by_ray_job_stop or test_trust or a_429 or stale_markers or local_quick_start or "
+    "local_stack or loopback_address"
 )
 FIGURE_KEYS_SKIP = {"fault", "outcome", "test"}
 

@@ -141,7 +141,9 @@ def _who_listens(ports) -> str:
 
 
 @pytest.mark.ray
-def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmanager(tmp_path):
+def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmanager(
+    tmp_path, record_fault
+):
     import json
     import subprocess
     import sys
@@ -202,10 +204,15 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
     assert not current.exists() or current.read_text().strip() != head
     busy = {k: p for k, p in ports.items() if not _port_free(p)}  # nothing left behind
     assert not busy, _who_listens(busy)
+    record_fault(
+        "deploy/local/up.sh where Ray turns token auth on (a token in ~/.ray)",
+        "the stack comes up and says 'Ray token auth on'; the dashboard refuses without the "
+        "token, answers with it; down.sh leaves no port held",
+    )
 
 
 @pytest.mark.ray
-def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path):
+def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path, record_fault):
     """A Ray that never answers: up.sh says so, exits 1, and stops Prometheus and Alertmanager
     it had started (nothing left running, ports free, no pid files)."""
     import subprocess
@@ -224,3 +231,8 @@ def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path):
     assert "Ray did not start" in r.stdout
     assert not list((tmp_path / "local").glob("*.pid"))
     assert all(_port_free(ports[k]) for k in ("PROM", "AM")), ports
+    record_fault(
+        "deploy/local/up.sh when Ray never answers",
+        f"'{r.stdout.strip().splitlines()[-1]}', exit 1; Prometheus and Alertmanager it had "
+        "started are stopped, their ports free",
+    )

@@ -254,7 +254,9 @@ def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path, recor
     )
 
 
-def test_a_daemon_given_a_loopback_address_keeps_it_and_stops_on_sigterm(ray_head, tmp_path):
+def test_a_daemon_given_a_loopback_address_keeps_it_and_stops_on_sigterm(
+    ray_head, tmp_path, record_fault
+):
     """`RAY_ADDRESS=127.0.0.1:PORT stepmem daemon` in a plain shell (without
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER): Ray used to swap 127.0.0.1 for the machine's outward
     address, wait there for a node that never answers and ignore SIGTERM meanwhile."""
@@ -307,3 +309,8 @@ def test_a_daemon_given_a_loopback_address_keeps_it_and_stops_on_sigterm(ray_hea
         timeout=120,
     )
     assert stop.returncode == 0 and "1 samplers stopped" in stop.stdout, stop.stdout + stop.stderr
+    record_fault(
+        "RAY_ADDRESS=127.0.0.1:PORT stepmem daemon (plain shell), then SIGTERM",
+        "connects on loopback, /metrics targets on 127.0.0.1; SIGTERM: exit 0, 'stopped; its "
+        "samplers stay'; `daemon --stop` removes the 1 sampler",
+    )

@@ -416,7 +416,7 @@ def test_a_429_is_retried_after_the_wait_the_receiver_asks_for(prom, record_faul
     )
 
 
-def test_a_finished_runs_series_end_with_stale_markers(prom):
+def test_a_finished_runs_series_end_with_stale_markers(prom, record_fault):
     writer = RemoteWriter(RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.05))
     labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-stale", "run": "t-stale"}
     series = 'stepmem_step{job="stepmem-steps", gpu_uuid="GPU-stale"}'
@@ -432,3 +432,8 @@ def test_a_finished_runs_series_end_with_stale_markers(prom):
         assert prom.scalar(f"count_over_time({series}[10m])") == 5  # the data is all there
     finally:
         writer.close(timeout=1)
+    record_fault(
+        "a run ends: its pushed series would linger in Prometheus for its 5-minute lookback",
+        "stale markers sent at the end: the series is gone from instant queries at once, its 5 "
+        "samples all kept",
+    )
