@@ -206,7 +206,9 @@ def test_compare_of_runs_with_different_gpu_counts_fails(tmp_path, record_fault)
 @pytest.mark.parametrize(
     ("status", "needle"), [("interrupted", "INTERRUPTED"), ("running", "UNFINISHED")]
 )
-def test_report_says_a_run_was_interrupted_or_never_finished(tmp_path, status, needle):
+def test_report_says_a_run_was_interrupted_or_never_finished(
+    tmp_path, status, needle, record_fault
+):
     doc = json.loads(RECORDS.read_text())
     w = RunWriter(tmp_path / "run", {"run_id": "r", "samplers": doc["samplers"]})
     w.add_records(copy.deepcopy(doc["records"][:4]))
@@ -216,6 +218,9 @@ def test_report_says_a_run_was_interrupted_or_never_finished(tmp_path, status, n
         w.close(status)
     res = stepmem("report", str(tmp_path / "run"))
     assert res.returncode == 0 and needle in res.stdout
+    (line,) = [ln for ln in res.stdout.splitlines() if needle in ln]
+    how = "stopped by a signal" if status == "interrupted" else "killed (SIGKILL), never closed"
+    record_fault(f"`stepmem report` on a run {how}", f"the report says so: '{line.strip()}'")
 
 
 # -- never a traceback ----------------------------------------------------------------------------
@@ -350,20 +355,22 @@ def test_baseline_never_overwrites_a_file_that_is_not_a_baseline(tmp_path, recor
     other.write_text(rules.read_text())
     broken = tmp_path / "broken.yml"
     broken.write_text("groups: [unclosed\n")
+    lines = {}
     for target, merge, needle in (
-        (other, True, "not a stepmem baseline file"),
-        (other, False, "not a stepmem baseline file"),
         (broken, True, "not a stepmem baseline file"),
+        (other, False, "not a stepmem baseline file"),
+        (other, True, "not a stepmem baseline file"),
     ):
         before = target.read_text()
         args = ["baseline", str(RECORDS), "--out", str(target), "--workload", "finetune"]
         args += ["--merge"] if merge else []
-        line = one_line_error(stepmem(*args), needle)
+        lines[target.name] = one_line_error(stepmem(*args), needle)
         assert target.read_text() == before
-    record_fault(
-        "bad input: stepmem baseline RECORDS --merge --out ALERT_RULES.yml",
-        f"{line} — the file is left byte for byte as it was",
-    )
+    for name, what in (("broken.yml", "INVALID.yml"), ("alerts.yml", "ALERT_RULES.yml")):
+        record_fault(
+            f"bad input: stepmem baseline RECORDS --merge --out {what}",
+            f"{lines[name]} — the file is left byte for byte as it was",
+        )
     # a baseline file with another workload: kept with --merge, refused without it
     mine = tmp_path / "baselines.yml"
     assert stepmem("baseline", str(RECORDS), "--out", str(mine), "--workload", "a").returncode == 0
