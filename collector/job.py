@@ -520,9 +520,13 @@ def _run_on_ray(
             f"{p.info['backend']})"
         )
     replay = spec.kind == "replay"
-    # Replayed steps go out one by one at their times; a live probe batches.
+    # Replayed steps go out one by one at their times; a live probe batches. Replayed GPUs live
+    # on every node, and this process plays them all: their samplers by UUID, not by "the
+    # sampler of this GPU on this node" as a probe finds its own.
     outbox = Outbox(
-        find_sampler, batch_max=1 if replay else 64, flush_interval_s=0.05 if replay else 0.5
+        {p.gpu_uuid: p.handle for p in placed}.get if replay else find_sampler,
+        batch_max=1 if replay else 64,
+        flush_interval_s=0.05 if replay else 0.5,
     )
     writer = drainer = None
     if opts.store is not None:

@@ -231,6 +231,7 @@ class SamplerActor:
         d = self.device.info
         return {
             "node_id": self.node_id,
+            "actor_node_id": ray.get_runtime_context().get_node_id(),  # where it really runs
             "gpu_uuid": d.uuid,
             "index": d.index,
             "name": d.name,
