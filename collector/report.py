@@ -271,11 +271,17 @@ def _fleet(run: Run, console: Any) -> None:
         lo = min(measured, key=lambda m: m[2]["nvml_peak_bytes"])
         hb, lb = hi[2]["nvml_peak_bytes"], lo[2]["nvml_peak_bytes"]
         pct = (hb / lb - 1) * 100 if lb else 0.0
-        console.print(
-            f" • Highest within-step peak: GPU {hi[0]} on node {hi[1]}, {hb / gib:.2f} GiB in step "
-            f"{hi[2]['step']}; lowest: GPU {lo[0]} on node {lo[1]}, {lb / gib:.2f} GiB — the "
-            f"highest is {(hb - lb) / gib:.2f} GiB ({pct:.1f} %) above."
-        )
+        if hb == lb:
+            console.print(
+                f" • Every compared GPU's highest within-step peak is the same: {hb / gib:.2f} GiB "
+                f"({len(measured)} GPUs)."
+            )
+        else:
+            console.print(
+                f" • Highest within-step peak: GPU {hi[0]} on node {hi[1]}, {hb / gib:.2f} GiB in "
+                f"step {hi[2]['step']}; lowest: GPU {lo[0]} on node {lo[1]}, {lb / gib:.2f} GiB — "
+                f"the highest is {(hb - lb) / gib:.2f} GiB ({pct:.1f} %) above."
+            )
         nodes: dict[str, int] = {}
         for _, node, top in measured:
             nodes[node] = max(nodes.get(node, 0), top["nvml_peak_bytes"])

@@ -294,3 +294,36 @@ def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete(record_fa
         steps_stored=len(recs),
         samples_lost=run.meta["samples_lost"],
     )
+
+
+def test_the_fleet_view_names_the_highest_and_lowest_gpu_per_node_and_the_lost_ones():
+    from collector.report import Run
+
+    doc = json.loads((H200 / "adamw_8bit.records.json").read_text())
+    (sampler,) = doc["samplers"]
+    samplers, records, health = [], [], []
+    for k, (node, scale, lost) in enumerate(
+        [
+            ("node-a", 1.0, False),
+            ("node-a", 1.1, False),
+            ("node-b", 0.9, False),
+            ("node-b", 2, True),
+        ]
+    ):
+        uuid = f"GPU-fleet-{k}"
+        samplers.append({**sampler, "gpu_uuid": uuid, "node_id": node, "index": k % 2})
+        health.append({"alive": False, "unreachable": True} if lost else {"alive": True})
+        for r in doc["records"][: 2 if lost else None]:
+            rec = copy.deepcopy(r) | {"gpu_uuid": uuid}
+            rec["nvml_peak_bytes"] = int(rec["nvml_peak_bytes"] * scale)
+            records.append(rec)
+    text, _ = render_report(Run("fleet", {"samplers": samplers, "health": health}, records))
+    fleet = text[text.index("Fleet — every GPU") :]
+    top = max(r["nvml_peak_bytes"] for r in doc["records"])
+    assert "Compared: the 3 GPUs that were not lost." in fleet
+    # sorted by node, index: node-a's GPUs are 0 and 1, node-b's 2 and 3
+    assert f"Highest within-step peak: GPU 1 on node node-a, {top * 1.1 / GIB:.2f} GiB" in fleet
+    assert f"lowest: GPU 2 on node node-b, {top * 0.9 / GIB:.2f} GiB" in fleet
+    assert f"node-a {top * 1.1 / GIB:.2f} GiB, node-b {top * 0.9 / GIB:.2f} GiB" in fleet
+    assert "GPU 3 on node node-b was LOST" in fleet and "stop at step 2 (2 of 5 steps)" in fleet
+    assert fleet.count("LOST") == 2  # its table row and its finding
