@@ -5,7 +5,10 @@ stepmem without GPUs.
 Ray node of its own. The main job (``run_job``, replay backend) runs against it. While it runs
 this script checks, from every node, that a probe there finds exactly its own node's samplers;
 reads the job's ``file_sd`` file; scrapes every target once (bytes, milliseconds); and, with
-``--remove-after K``, removes the last worker node after step K has been played. It writes
+``--remove-after K``, removes the last worker node after step K has been played. With
+``--prometheus`` a real Prometheus (loopback) scrapes every sampler through the job's ``file_sd``
+file and receives its per-step series by remote write; its own ``/metrics`` read before and
+after the job give what the run cost it (CPU seconds, samples appended). It writes
 ``result.json`` (and the run store, the records and the report) under ``--out``.
 
     python benchmarks/multinode.py --nodes 3 --gpus 2 --remove-after 10 \\
@@ -60,6 +63,25 @@ def start_cluster(nodes: int, cpus: int):
     )
     cluster.wait_for_nodes()
     return cluster, workers
+
+
+def prom_counters(url: str) -> dict[str, float]:
+    """Prometheus' own CPU seconds and samples appended so far (its /metrics)."""
+    want = ("process_cpu_seconds_total", "prometheus_tsdb_head_samples_appended_total")
+    out: dict[str, float] = dict.fromkeys(want, 0.0)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in want:
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def prom_query(url: str, q: str) -> list:
+    from urllib.parse import quote
+
+    with urllib.request.urlopen(f"{url}/api/v1/query?query={quote(q)}", timeout=10) as r:
+        return json.load(r)["data"]["result"]
 
 
 def scrape(target: str) -> tuple[int, float]:
@@ -122,6 +144,9 @@ def main() -> int:
     ap.add_argument("--capture", default="spiky")
     ap.add_argument("--speed", type=float, default=0.25)
     ap.add_argument("--remove-after", type=int, default=0, help="remove a worker after step K")
+    ap.add_argument(
+        "--prometheus", action="store_true", help="scrape and remote-write into a real Prometheus"
+    )
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     if a.nodes < 2 or (a.remove_after and a.nodes < 2):
@@ -131,7 +156,15 @@ def main() -> int:
     cluster, workers = start_cluster(a.nodes, a.cpus)
     print(f"cluster of {a.nodes} nodes up in {time.monotonic() - t0:.1f} s", flush=True)
     head = ray.get_runtime_context().get_node_id()
+    prom = remote_write = None
     targets = a.out / "targets.json"
+    if a.prometheus:
+        from collector.export.remote_write import RemoteWriteConfig
+        from tests.prom import Prometheus
+
+        prom = Prometheus(a.out / "prometheus", scrape_s=1.0).start()
+        targets = prom.targets / "stepmem.json"  # the file its file_sd reads
+        remote_write = RemoteWriteConfig(url=f"{prom.url}/api/v1/write")
     watcher = Watcher(cluster, workers, targets, a.remove_after)
     opts = JobOptions(
         backend="replay",
@@ -144,15 +177,37 @@ def main() -> int:
         store=a.out / "runs",
         run_id="multinode",
         out=a.out / "records.json",
+        remote_write=remote_write,
     )
+    before = prom_counters(prom.url) if prom else {}
     t1 = time.monotonic()
+    prom_result: dict = {}
     try:
         records = run_job(opts, echo=watcher.echo)
         job_s = time.monotonic() - t1
         samplers_left = list_samplers()
+        if prom:
+            time.sleep(2)  # the last scrape and push land
+            after = prom_counters(prom.url)
+            q = 'sum by (gpu_uuid) (count_over_time(stepmem_step{job="stepmem-steps"}[10m]))'
+            pushed = {r["metric"]["gpu_uuid"]: int(r["value"][1]) for r in prom_query(prom.url, q)}
+            scraped = prom_query(prom.url, 'count(count_over_time(up{job="stepmem"}[10m]))')
+            prom_result = {
+                "prometheus_cpu_s": round(
+                    after["process_cpu_seconds_total"] - before["process_cpu_seconds_total"], 3
+                ),
+                "prometheus_samples_appended": int(
+                    after["prometheus_tsdb_head_samples_appended_total"]
+                    - before["prometheus_tsdb_head_samples_appended_total"]
+                ),
+                "steps_pushed_per_gpu": pushed,
+                "targets_scraped": int(scraped[0]["value"][1]) if scraped else 0,
+            }
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if prom:
+            prom.stop()
     run = load_run(a.out / "runs" / "multinode")
     text, _ = render_report(run)
     (a.out / "report.txt").write_text(text)
@@ -184,6 +239,8 @@ def main() -> int:
         "gpus_lost": sum(bool(h.get("unreachable")) for h in meta.get("health") or []),
         "per_gpu": per_gpu,
         **watcher.result,
+        **prom_result,
+        "remote_write_per_sampler": [h.get("remote_write") for h in meta.get("health") or []],
         "samplers_left_after_job": len(samplers_left),
     }
     (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
