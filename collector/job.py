@@ -194,28 +194,28 @@ def connect_ray(address: str | None) -> None:
     ray.init(address=address, namespace="stepmem")
 
 
-def _init_ray(address: str | None) -> str | None:
+def _init_ray(address: str | None) -> bool:
     """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
-    loopback. Returns a token when this process started a local cluster (see
-    :func:`stop_local_ray`), else None."""
+    loopback. Returns True when this process started a local cluster."""
     import os
 
     if ray.is_initialized():
-        return None
+        return False
     if address or os.environ.get("RAY_ADDRESS"):
         connect_ray(address)
-        return None
-    return start_local_ray() or "local"
+        return False
+    start_local_ray()
+    return True
 
 
-def start_local_ray(**options: Any) -> str | None:
+def start_local_ray(**options: Any) -> None:
     """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
     without a cluster, the benchmarks). ``options`` go to ``ray.init``. Its processes go with
-    this one however it ends (:func:`collector.reaper.guard`); returns the reaper's token."""
+    this one however it ends (:func:`collector.reaper.guard`)."""
     from collector import reaper
 
     loopback_only_ray()
-    token = reaper.guard()
+    reaper.guard()
     ray.init(
         # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
         # (a `ray start` head that may be long gone)
@@ -225,16 +225,18 @@ def start_local_ray(**options: Any) -> str | None:
         namespace="stepmem",
         **{"configure_logging": False, **options},
     )
-    return token
 
 
-def stop_local_ray(token: str | None) -> None:
+def stop_local_ray() -> None:
     """Shut down the local cluster :func:`start_local_ray` started, then remove any of its
     processes still there (Ray's agents outlive ``ray.shutdown()`` by up to a minute)."""
+    import os
+
     from collector import reaper
 
     ray.shutdown()
-    if token and token != "local":
+    token = os.environ.get(reaper.MARK)  # set by reaper.guard() before the cluster started
+    if token:
         reaper.reap(token)
 
 
@@ -483,10 +485,10 @@ def run_job(opts: JobOptions, echo=print) -> list[StepRecord | dict[str, Any]]:
     local = _init_ray(opts.ray_address)
     terminate_as_interrupt(echo)  # after ray.init, which installs a SIGTERM handler of its own
     try:
-        return _run_on_ray(opts, spec, banner, local is not None, echo)
+        return _run_on_ray(opts, spec, banner, local, echo)
     finally:
-        if local is not None:  # ours: stopped now, not by Ray's atexit hook a signal can cut
-            stop_local_ray(local)
+        if local:  # ours: stopped now, not by Ray's atexit hook a signal can cut
+            stop_local_ray()
         for sig, h in handlers.items():  # the caller's handlers again
             with contextlib.suppress(ValueError, TypeError):  # not the main thread / not Python's
                 signal.signal(sig, h)

@@ -9,7 +9,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from collector.diagnose import Finding, diagnose, g
 from collector.errors import InputError
@@ -223,53 +223,59 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
     return console.export_text(), findings
 
 
+class _FleetRow(NamedTuple):
+    gpu: int  # the report's GPU number
+    node: str  # node id, shortened
+    recs: list[dict[str, Any]]
+    top: dict[str, Any] | None  # the step with the highest NVML peak (None: none measured)
+    lost: bool  # its sampler could not be reached at the end of the run
+
+
 def _fleet(run: Run, console: Any) -> None:
     """Every GPU side by side: which peaks highest, how far apart the GPUs are, per node, and
     which GPUs were lost (a sampler not reachable at the end: its node gone, its actor dead)."""
     from rich.table import Table
 
-    samplers = {s["gpu_uuid"]: s for s in run.meta.get("samplers", [])}
-    health = dict(
-        zip(
-            (s["gpu_uuid"] for s in run.meta.get("samplers", [])),
-            run.meta.get("health") or [],
-            strict=False,
-        )
-    )
+    samplers = run.meta.get("samplers", [])
+    node_of = {s["gpu_uuid"]: str(s["node_id"])[:12] for s in samplers}
+    lost = {
+        s["gpu_uuid"]
+        for s, h in zip(samplers, run.meta.get("health") or [], strict=False)
+        if h.get("unreachable")
+    }
     gib = 1 << 30
-    table = Table(title="Fleet — every GPU of the run (GiB)")
-    for col in ("GPU", "node", "steps", "last step", "nvml peak", "in step", "alloc peak", "state"):
-        table.add_column(col, justify="right")
     rows = []
     for i, uuid in enumerate(run.gpus):
         recs = run.by_gpu[uuid]
-        node = str(samplers.get(uuid, {}).get("node_id", "?"))[:12]
         peaked = [r for r in recs if r.get("nvml_peak_bytes") is not None]
         top = max(peaked, key=lambda r: r["nvml_peak_bytes"], default=None)
-        alloc = max((r.get("torch_allocated_peak_bytes") or 0 for r in recs), default=0)
-        lost = bool(health.get(uuid, {}).get("unreachable"))
-        rows.append((i, uuid, node, recs, top, lost))
+        rows.append(_FleetRow(i, node_of.get(uuid, "?"), recs, top, uuid in lost))
+    table = Table(title="Fleet — every GPU of the run (GiB)")
+    for col in ("GPU", "node", "steps", "last step", "nvml peak", "in step", "alloc peak", "state"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        alloc = max((r.get("torch_allocated_peak_bytes") or 0 for r in row.recs), default=0)
         table.add_row(
-            str(i),
-            node,
-            str(len(recs)),
-            str(recs[-1]["step"]) if recs else "—",
-            f"{top['nvml_peak_bytes'] / gib:.2f}" if top else "—",
-            str(top["step"]) if top else "—",
-            f"{alloc / gib:.2f}" if recs else "—",
-            "LOST" if lost else "",
+            str(row.gpu),
+            row.node,
+            str(len(row.recs)),
+            str(row.recs[-1]["step"]) if row.recs else "—",
+            f"{row.top['nvml_peak_bytes'] / gib:.2f}" if row.top else "—",
+            str(row.top["step"]) if row.top else "—",
+            f"{alloc / gib:.2f}" if row.recs else "—",
+            "LOST" if row.lost else "",
         )
     console.print(table)
     console.print("[bold]Fleet[/bold]")
     # a lost GPU's records stop early: comparing its few steps with whole runs says nothing
-    ran = [row for row in rows if not row[5]] or rows
-    measured = [(i, node, top) for i, _, node, _, top, _ in ran if top is not None]
+    ran = [row for row in rows if not row.lost] or rows
+    measured = [row for row in ran if row.top is not None]
     if len(ran) < len(rows):
         console.print(f" • Compared: the {len(ran)} GPUs that were not lost.")
     if measured:
-        hi = max(measured, key=lambda m: m[2]["nvml_peak_bytes"])
-        lo = min(measured, key=lambda m: m[2]["nvml_peak_bytes"])
-        hb, lb = hi[2]["nvml_peak_bytes"], lo[2]["nvml_peak_bytes"]
+        hi = max(measured, key=lambda row: row.top["nvml_peak_bytes"])
+        lo = min(measured, key=lambda row: row.top["nvml_peak_bytes"])
+        hb, lb = hi.top["nvml_peak_bytes"], lo.top["nvml_peak_bytes"]
         pct = (hb / lb - 1) * 100 if lb else 0.0
         if hb == lb:
             console.print(
@@ -278,30 +284,30 @@ def _fleet(run: Run, console: Any) -> None:
             )
         else:
             console.print(
-                f" • Highest within-step peak: GPU {hi[0]} on node {hi[1]}, {hb / gib:.2f} GiB in "
-                f"step {hi[2]['step']}; lowest: GPU {lo[0]} on node {lo[1]}, {lb / gib:.2f} GiB — "
-                f"the highest is {(hb - lb) / gib:.2f} GiB ({pct:.1f} %) above."
+                f" • Highest within-step peak: GPU {hi.gpu} on node {hi.node}, {hb / gib:.2f} GiB "
+                f"in step {hi.top['step']}; lowest: GPU {lo.gpu} on node {lo.node}, "
+                f"{lb / gib:.2f} GiB — the highest is {(hb - lb) / gib:.2f} GiB ({pct:.1f} %) "
+                "above."
             )
         nodes: dict[str, int] = {}
-        for _, node, top in measured:
-            nodes[node] = max(nodes.get(node, 0), top["nvml_peak_bytes"])
+        for row in measured:
+            nodes[row.node] = max(nodes.get(row.node, 0), row.top["nvml_peak_bytes"])
         if len(nodes) > 1:
             console.print(
                 " • Per node, highest peak: "
                 + ", ".join(f"{n} {b / gib:.2f} GiB" for n, b in sorted(nodes.items()))
                 + "."
             )
-    most = max((len(recs) for *_, recs, _top, _lost in rows), default=0)
-    for i, _, node, recs, _, lost in rows:
-        if lost:
-            last = recs[-1]["step"] if recs else None
+    most = max((len(row.recs) for row in rows), default=0)
+    for row in rows:
+        if row.lost:
             console.print(
-                f" • GPU {i} on node {node} was LOST: its sampler could not be reached at the end "
-                "of the run (its node removed or dead, or the actor killed); "
+                f" • GPU {row.gpu} on node {row.node} was LOST: its sampler could not be reached "
+                "at the end of the run (its node removed or dead, or the actor killed); "
                 + (
-                    f"its records stop at step {last} ({len(recs)} of {most} steps), kept as "
-                    "drained before."
-                    if recs
+                    f"its records stop at step {row.recs[-1]['step']} ({len(row.recs)} of {most} "
+                    "steps), kept as drained before."
+                    if row.recs
                     else "none of its step records had been drained."
                 )
             )
