@@ -21,6 +21,25 @@ def stepmem(*args, timeout=240):
     )
 
 
+def start_run(tmp_path, run_id, *args, **popen):
+    """`stepmem run ARGS` in a process of its own, its store in tmp_path/runs/RUN_ID; returned
+    once that store holds its first samples (at most 120 s)."""
+    import time
+
+    runs = tmp_path / "runs"
+    store = ("--store", str(runs), "--run-id", run_id)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "collector.cli", "run", *args, *store], text=True, **popen
+    )
+    deadline = time.monotonic() + 120
+    while not list((runs / run_id / "samples").glob("*/part-*")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no samples in the run store within 120 s: {proc.communicate()}")
+        time.sleep(0.2)
+    return proc
+
+
 def one_line_error(res, *needles):
     assert res.returncode == 2, res
     assert "Traceback" not in res.stderr
@@ -220,34 +239,16 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, reco
     import signal
     import time
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "collector.cli",
-            "run",
-            "--capture",
-            "adamw_8bit",
-            "--speed",
-            "0.5",
-            "--store",
-            str(tmp_path / "runs"),
-            "--run-id",
-            "term",
-        ],
+    proc = start_run(
+        tmp_path,
+        "term",
+        *("--capture", "adamw_8bit", "--speed", "0.5"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         # A shell's background job starts with SIGINT ignored, and so would the child: give it
         # the default disposition, as a terminal's Ctrl-C meets it.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    meta = tmp_path / "runs" / "term" / "meta.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-        meta.exists() and list((tmp_path / "runs" / "term" / "samples").glob("*/part-*"))
-    ):
-        time.sleep(0.2)
     time.sleep(2.5)  # inside step 1 of the replay
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)

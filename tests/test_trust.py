@@ -20,7 +20,7 @@ import pytest
 from collector.diagnose import diagnose
 from collector.report import compare, load_run, render_report
 from collector.store import RunStore, RunWriter
-from tests.test_cli import one_line_error, stepmem
+from tests.test_cli import one_line_error, start_run, stepmem
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = ROOT / "benchmarks" / "results" / "h200-run2"
@@ -462,41 +462,16 @@ def _start_slow_run(tmp_path):
     """A replayed run slow enough to be interrupted mid-way, in a session of its own (a Ctrl-C
     reaches its whole process group, as in a terminal); returns it once the store holds its
     first samples."""
-    import os
     import subprocess
-    import sys
-    import time
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "collector.cli",
-            "run",
-            "--speed",
-            "0.05",
-            "--store",
-            str(tmp_path / "runs"),
-            "--run-id",
-            "cut",
-        ],
+    proc = start_run(
+        tmp_path,
+        "cut",
+        *("--speed", "0.05"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    head = []
-    for line in proc.stdout:
-        head.append(line)
-        if line.startswith("run store:"):
-            break
-    else:
-        pytest.fail("".join(head))
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "runs" / "cut" / "samples").glob("*/*.parquet")):
-        assert time.monotonic() < deadline, "".join(head)
-        time.sleep(0.2)
     # the token the run's Ray processes inherited (the driver's own /proc environ shows only the
     # environment it was started with)
     marks = set()
