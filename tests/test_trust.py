@@ -462,6 +462,7 @@ def _start_slow_run(tmp_path):
     """A replayed run slow enough to be interrupted mid-way, in a session of its own (a Ctrl-C
     reaches its whole process group, as in a terminal); returns it once the store holds its
     first samples."""
+    import os
     import subprocess
 
     proc = start_run(
@@ -469,8 +470,9 @@ def _start_slow_run(tmp_path):
         "cut",
         *("--speed", "0.05"),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT,  # one stream, in the order written (unbuffered)
         start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     # the token the run's Ray processes inherited (the driver's own /proc environ shows only the
     # environment it was started with)
