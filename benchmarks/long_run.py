@@ -23,9 +23,9 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
-from collector.sampler import DEFAULT_CAPACITY
+from collector.session import start_local_ray
+from collector.settings import DEFAULT_CAPACITY, Rate, Sampling
 
 MIB = 1 << 20
 
@@ -51,7 +51,7 @@ def main() -> None:
     start_local_ray(log_to_driver=False)
     placed = launch_samplers(
         BackendSpec("replay", captures=["adamw_8bit"], gpus=a.gpus),
-        SamplerOptions(rate_hz=0.0, metrics_addr="127.0.0.1", run_id="long-run"),
+        SamplerOptions(Sampling(rate=Rate.MAX), metrics_addr="127.0.0.1", run_id="long-run"),
     )
     pids = {p.gpu_uuid: p.info["pid"] for p in placed}
     cursors = {p.gpu_uuid: 0 for p in placed}

@@ -32,18 +32,20 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from collector.job import JobOptions, loopback_only_ray, run_job  # noqa: E402
-from collector.placement import find_sampler, forget_samplers, list_samplers  # noqa: E402
+from collector.lookup import SamplerLookup, list_samplers  # noqa: E402
 from collector.report import load_run, render_report  # noqa: E402
+from collector.run import JobOptions, run_job  # noqa: E402
+from collector.session import loopback_only_ray  # noqa: E402
+from collector.settings import SamplerOptions  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
 def probe_lookup(uuids: list[str]) -> tuple[str, list[str]]:
     """What a probe on this node finds: the UUIDs (of all the cluster's GPUs) whose sampler it
     reaches by its own node id, as a training process there does."""
-    forget_samplers()
     node = ray.get_runtime_context().get_node_id()
-    return node, [u for u in uuids if find_sampler(u) is not None]
+    lookup = SamplerLookup()
+    return node, [u for u in uuids if lookup.find(u) is not None]
 
 
 def start_cluster(nodes: int, cpus: int):
@@ -173,17 +175,18 @@ def main() -> int:
         speed=a.speed,
         ray_address=cluster.address,
         targets=targets,
-        metrics_addr="127.0.0.1",
         store=a.out / "runs",
-        run_id="multinode",
-        out=a.out / "records.json",
-        remote_write=remote_write,
+        sampler=SamplerOptions(
+            metrics_addr="127.0.0.1", run_id="multinode", remote_write=remote_write
+        ),
     )
     before = prom_counters(prom.url) if prom else {}
     t1 = time.monotonic()
     prom_result: dict = {}
     try:
-        records = run_job(opts, echo=watcher.echo)
+        result = run_job(opts, echo=watcher.echo)
+        records = result.records
+        (a.out / "records.json").write_text(json.dumps(result.document(), indent=1))
         job_s = time.monotonic() - t1
         samplers_left = list_samplers()
         if prom:

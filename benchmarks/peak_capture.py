@@ -26,9 +26,10 @@ import numpy as np
 import ray
 
 from collector.export.values import nontorch_bytes
-from collector.job import start_local_ray
-from collector.placement import BackendSpec, SamplerOptions, forget_samplers, launch_samplers
+from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 from collector.probe.core import StepProbe
+from collector.session import start_local_ray
+from collector.settings import Sampling
 from workloads import spiky
 
 RATES = {"100 Hz": 100.0, "1 kHz": 1000.0, "10 kHz": 10_000.0, "max": 0.0}
@@ -49,9 +50,8 @@ def true_peak(rec: dict) -> int:
 def run_rate(rate: float, args: argparse.Namespace) -> tuple[list[dict], dict | None]:
     (p,) = launch_samplers(
         BackendSpec("nvml"),
-        SamplerOptions(rate_hz=rate, metrics_addr="127.0.0.1", capacity=1 << 22),
+        SamplerOptions(Sampling(rate=rate, capacity=1 << 22), metrics_addr="127.0.0.1"),
     )
-    forget_samplers()  # the probe looks the new actor up, not a previous rate's
     time.sleep(0.5)
     start = ray.get(p.handle.samples_since.remote(1 << 62))["next"]
     probe = StepProbe(devices=[0])

@@ -19,8 +19,9 @@ import numpy as np
 import pynvml
 import ray
 
-from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.session import start_local_ray
+from collector.settings import Rate, Sampling
 
 
 def bare_pynvml(handle, seconds: float) -> float:
@@ -92,7 +93,7 @@ def main() -> None:
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     result: dict = {"rounds": []}
     placed = launch_samplers(
-        BackendSpec("nvml"), SamplerOptions(rate_hz=0.0, metrics_addr="127.0.0.1")
+        BackendSpec("nvml"), SamplerOptions(Sampling(rate=Rate.MAX), metrics_addr="127.0.0.1")
     )[0]
     time.sleep(1.0)
     for _ in range(a.rounds):
@@ -109,7 +110,7 @@ def main() -> None:
     ray.kill(placed.handle)
     time.sleep(1.0)
     placed = launch_samplers(
-        BackendSpec("nvml"), SamplerOptions(rate_hz=1000.0, metrics_addr="127.0.0.1")
+        BackendSpec("nvml"), SamplerOptions(Sampling(rate=1000.0), metrics_addr="127.0.0.1")
     )[0]
     time.sleep(1.0)
     k = actor_window(placed.handle, a.seconds)

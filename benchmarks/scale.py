@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig
-from collector.job import start_local_ray
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.session import start_local_ray
 from tests.prom import Prometheus
 
 

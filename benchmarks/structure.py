@@ -11,7 +11,8 @@ Prints, for ``collector`` and ``workloads``:
   the sampler actor's module and the Prometheus exporter are among them;
 * where the sampling settings' defaults are written (the number literal of the default rate and
   window next to a name that says so) and where "0 means max" is read;
-* the files that name the ``window`` setting (a proxy for "files touched to add a setting");
+* the sampler settings copied by hand from one object into another (``rate_hz=opts.rate_hz``):
+  each is a line to touch when a setting is added or renamed;
 * dead code by vulture (60 % confidence, tests and benchmarks counted as users; framework
   callbacks whitelisted by name).
 """
@@ -101,13 +102,19 @@ def import_cycles() -> tuple[list[list[str]], list[str]]:
 def literals() -> dict[str, list[str]]:
     pats = {
         "default rate written (1000 / 1000.0 as a rate default)": re.compile(
-            r"(rate\w*\s*[:=].*\b1_?000(\.0)?\b|--rate.*default=1_?000)"
+            r"(rate\w*\s*[:=][^,]*\b1_?000(\.0)?\b|default=1_?000(\.0)?\b)", re.I
         ),
         "default window written (15 / 15.0 as a window default)": re.compile(
-            r"(window\w*\s*[:=].*\b15(\.0)?\b|--window.*|default=15\.0)"
+            r"(window\w*\s*[:=][^,]*\b15(\.0)?\b|default=15(\.0)?\b)", re.I
+        ),
+        "a sampler setting copied by hand from one object to another (keyword = attribute)": (
+            re.compile(
+                r"\b(rate_hz|window_s|metrics_addr|metrics_port|remote_write|push_samples)"
+                r"=(ns|opts|options|self\.options)\.\w+"
+            )
         ),
         "'0 = max' read (rate compared with 0 or MAX_RATE)": re.compile(
-            r"rate\w*\s*(==|>|<=|!=)\s*(0(\.0)?|MAX_RATE)\b|(0(\.0)?|MAX_RATE)\s*==\s*\w*rate"
+            r"rate\w*\s*(==|>|<=|!=)\s*(0(\.0)?|MAX_RATE)\b|(0(\.0)?|MAX_RATE)\s*==\s*\w*rate|\bhz\s*==\s*0"
         ),
     }
     out: dict[str, list[str]] = {k: [] for k in pats}
@@ -120,13 +127,18 @@ def literals() -> dict[str, list[str]]:
     return out
 
 
-def files_naming(word: re.Pattern) -> list[str]:
-    return [str(p.relative_to(ROOT)) for p in _files() if word.search(p.read_text())]
-
-
 def dead_code() -> list[str]:
     res = subprocess.run(
-        [sys.executable, "-m", "vulture", *PACKAGES, "tests", "benchmarks", "--min-confidence", "60"],
+        [
+            sys.executable,
+            "-m",
+            "vulture",
+            *PACKAGES,
+            "tests",
+            "benchmarks",
+            "--min-confidence",
+            "60",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -151,7 +163,6 @@ def main() -> None:
         "import_cycles": cycles,
         "probe_imports": [m for m in probe if m.split(".")[0] in ("collector", "ray", "workloads")],
         "literals": literals(),
-        "files_naming_window": files_naming(re.compile(r"window_s|--window")),
         "dead_code": dead_code(),
     }
     for f in result["longest_functions"]:
@@ -162,7 +173,6 @@ def main() -> None:
     print("collector.probe.core imports:", ", ".join(result["probe_imports"]) or "-")
     for k, where in result["literals"].items():
         print(f"{k}: {len(where)}  {' '.join(where)}")
-    print(f"files naming the window setting: {len(result['files_naming_window'])}")
     print(f"dead code (vulture): {len(result['dead_code'])}")
     for line in result["dead_code"]:
         print("   ", line)

@@ -23,9 +23,11 @@ import numpy as np
 import ray
 import torch
 
-from collector.job import start_local_ray
-from collector.placement import BackendSpec, SamplerOptions, forget_samplers, launch_samplers
+from collector.lookup import SamplerLookup
+from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 from collector.probe.core import StepProbe
+from collector.session import start_local_ray
+from collector.settings import Sampling
 from workloads.finetune import SHAPES, build_model
 
 MODES = {"off": None, "1 kHz": 1000.0, "max": 0.0}
@@ -81,10 +83,12 @@ def main() -> None:
             handle = None
             if rate is not None:
                 (p,) = launch_samplers(
-                    BackendSpec("nvml"), SamplerOptions(rate_hz=rate, metrics_addr="127.0.0.1")
+                    BackendSpec("nvml"),
+                    SamplerOptions(Sampling(rate=rate), metrics_addr="127.0.0.1"),
                 )
                 handle = p.handle
-                forget_samplers()  # forget the warm-up's miss and any earlier block's actor
+                # a fresh lookup: not the warm-up's miss nor an earlier block's actor
+                probe.outbox._resolve = SamplerLookup()
                 time.sleep(0.5)
             times[mode] += [train_step(probe if handle else None) for _ in range(a.block)]
             if handle is not None:

@@ -21,17 +21,18 @@ from typing import Any
 import numpy as np
 
 from collector.nvml import LiveBackend, NvmlError, NvmlNotFound
+from collector.probe.core import EVENTS_ENV
 from collector.replay import Capture, ReplayBackend, ReplayDevice
 from collector.sampler import Sampler
+from collector.settings import Rate
 
 __all__ = ["record"]
 
 PROCESS_SNAPSHOT_S = 0.5
 
 
-def _capacity(rate_hz: float, seconds: float) -> int:
-    per_s = rate_hz if rate_hz > 0 else 150_000
-    return int(per_s * seconds * 1.2) + 1024
+def _capacity(rate: Rate, seconds: float) -> int:
+    return int(rate.samples_in(seconds) * 1.2) + 1024
 
 
 def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str, Any]]:
@@ -52,7 +53,7 @@ def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str
 def record(
     out: Path,
     uuid: str | None,
-    rate_hz: float,
+    rate: Rate,
     command: list[str] | None,
     duration_s: float | None,
     max_s: float = 600.0,
@@ -63,7 +64,7 @@ def record(
 ) -> Capture:
     """Sample one GPU while ``command`` runs (or for ``duration_s``) and save a capture.
 
-    The ring is sized for ``max_s`` seconds at ``rate_hz`` (24 bytes a sample); a command still
+    The ring is sized for ``max_s`` seconds at ``rate`` (24 bytes a sample); a command still
     running after ``max_s`` is terminated. ``trim_s`` keeps only the samples from ``trim_s``
     before the first step event to ``trim_s`` after the last (for compact ``max``-rate captures).
     ``backend`` defaults to live NVML; a :class:`ReplayBackend` resamples a capture (at another
@@ -77,11 +78,11 @@ def record(
         raise NvmlNotFound(f"no GPU with UUID {uuid} on this node (have: {', '.join(infos)})")
     device = backend.open(uuid)
     seconds = duration_s if command is None else max_s
-    sampler = Sampler(device, rate_hz=rate_hz, capacity=_capacity(rate_hz, seconds))
+    sampler = Sampler(device, rate, capacity=_capacity(rate, seconds))
     procs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="stepmem-capture-") as tmp:
         events_path = Path(tmp) / "events.jsonl"
-        env = dict(os.environ, STEPMEM_EVENTS=str(events_path))
+        env = {**os.environ, EVENTS_ENV: str(events_path)}
         sampler.start()
         t0 = sampler.started_ns
         child = subprocess.Popen(command, env=env) if command else None
@@ -144,7 +145,7 @@ def record(
             "memory_info_version": device.memory_info_version,
             "backend": device.backend,
         },
-        rate_hz=rate_hz,
+        rate_hz=rate.hz,
         command="stepmem capture " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         recorded_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         processes=procs,

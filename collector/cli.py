@@ -12,6 +12,7 @@ so, exit 70.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from collector import args
 from collector.errors import StepmemError
 from workloads import WORKLOADS
 
@@ -39,68 +41,20 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
-def _rate(text: str) -> float:
-    from collector.sampler import parse_rate
-
-    try:
-        return parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _number(text: str, kind: type, lo: float, hi: float, what: str) -> float:
-    """Parse ``text`` as ``kind`` within [lo, hi] for argparse, naming the problem in one line."""
-    try:
-        v = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-    if not lo <= v <= hi:
-        raise argparse.ArgumentTypeError(f"must be in {lo:g}..{hi:g}, got {text}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    return int(_number(text, int, 1, float("inf"), "an integer"))
-
-
-def _positive_float(text: str) -> float:
-    v = _number(text, float, 0, float("inf"), "a number")
-    if v == 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _port(text: str) -> int:
-    return int(_number(text, int, 0, 65535, "a port number"))
-
-
-def _fraction(text: str) -> float:
-    return _number(text, float, 0, 10, "a number (0.05 = 5 %)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def _run_parser(sub) -> None:
     r = sub.add_parser("run", help="the main job (replay backend when there is no GPU)")
-    r.add_argument(
-        "--backend",
-        choices=("auto", "nvml", "replay"),
-        default="auto",
+    args.add_backend(
+        r,
+        ("auto", "nvml", "replay"),
+        "auto",
         help="auto: live NVML when a GPU is present, else replay (default)",
+        captures="capture(s) to replay (default: adamw_8bit); repeat for several",
     )
+    args.add_sampling(r)
     r.add_argument(
-        "--capture",
-        action="append",
-        dest="captures",
-        metavar="NAME|PATH",
-        help="capture(s) to replay (default: adamw_8bit); repeat for several",
+        "--speed", type=args.positive_float, default=1.0, help="replay speed (default 1)"
     )
-    r.add_argument("--gpus", type=positive_int, help="simulated GPUs per node (replay)")
-    r.add_argument("--rate", type=_rate, default=1000.0, help="sampling rate in Hz, or 'max'")
-    r.add_argument("--speed", type=_positive_float, default=1.0, help="replay speed (default 1)")
-    r.add_argument("--steps", type=positive_int, help="stop after this many steps (replay)")
+    r.add_argument("--steps", type=args.positive_int, help="stop after this many steps (replay)")
     r.add_argument(
         "--workload",
         choices=WORKLOADS,
@@ -108,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--train-workers",
-        type=positive_int,
+        type=args.positive_int,
         default=0,
         metavar="N",
         help="run the workload in a Ray Train TorchTrainer with N workers, one GPU each "
@@ -151,122 +105,116 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="keep a Prometheus file_sd targets file current while the job runs",
     )
-    r.add_argument(
-        "--metrics-addr",
-        metavar="ADDR",
-        help="address each sampler's /metrics binds (default: the node's IP; "
-        "0.0.0.0 only if you mean all interfaces)",
-    )
-    r.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=0,
-        help="port for /metrics (default 0: the OS picks one per sampler); N: the sampler of "
-        "GPU i serves on N+i (fixed ports, e.g. for a Kubernetes PodMonitor)",
-    )
-    r.add_argument(
-        "--window",
-        type=_positive_float,
-        default=15.0,
-        help="trailing window of the window max/min gauges, seconds (default 15)",
-    )
-    rw = r.add_argument_group("remote write (every step pushed with its step-end timestamp)")
-    rw.add_argument("--remote-write", metavar="URL", help="e.g. http://127.0.0.1:9090/api/v1/write")
-    rw.add_argument(
-        "--remote-write-samples",
-        action="store_true",
-        help="also push the raw NVML trace as per-millisecond maxima",
-    )
-    rw.add_argument("--remote-write-bearer-token-file", metavar="FILE")
-    rw.add_argument("--remote-write-bearer-token-env", metavar="VAR")
-    rw.add_argument("--remote-write-basic-user", metavar="USER")
-    rw.add_argument("--remote-write-basic-password-file", metavar="FILE")
-    rw.add_argument("--remote-write-basic-password-env", metavar="VAR")
-    rw.add_argument("--remote-write-ca-file", metavar="FILE")
-    rw.add_argument("--remote-write-insecure-skip-verify", action="store_true")
+    args.add_metrics(r)
+    args.add_remote_write(r)
     r.add_argument(
         "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
     )
 
+
+def _daemon_parser(sub) -> None:
+    dm = sub.add_parser("daemon", help="samplers that stay on every GPU node across jobs")
+    dm.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS)")
+    args.add_backend(dm, ("nvml", "replay"), "nvml")
+    args.add_sampling(dm, window=False)
+    dm.add_argument(
+        "--rescan",
+        type=args.positive_float,
+        default=30.0,
+        help="seconds between scans for new nodes (default 30)",
+    )
+    dm.add_argument("--targets", type=Path, metavar="FILE", help="keep a file_sd file current")
+    args.add_metrics(dm)
+    dm.add_argument("--stop", action="store_true", help="remove every stepmem sampler and exit")
+
+
+def _capture_parser(sub) -> None:
+    c = sub.add_parser("capture", help="record NVML on a real GPU while a command runs")
+    c.add_argument("--out", type=Path, required=True, help="capture file (.capture.parquet)")
+    c.add_argument("--gpu", metavar="UUID", help="GPU to record (default: NVML's first)")
+    args.add_backend(
+        c,
+        ("nvml", "replay"),
+        "nvml",
+        help="replay: resample a capture instead of reading a real GPU",
+        captures="with --backend replay: the capture(s) to resample",
+        gpus=False,
+    )
+    args.add_sampling(c, window=False)
+    c.add_argument("--duration", type=args.positive_float, help="seconds, when no command is given")
+    c.add_argument(
+        "--max-seconds",
+        type=args.positive_float,
+        default=600.0,
+        help="stop a command still running after this long (default 600)",
+    )
+    c.add_argument(
+        "--trim",
+        type=args.positive_float,
+        metavar="SECONDS",
+        help="keep only SECONDS before the first and after the last step event",
+    )
+    c.add_argument("--note", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, help="after '--': the command to run")
+
+
+def _baseline_parser(sub) -> None:
     b = sub.add_parser("baseline", help="write a workload's peak baseline as a Prometheus rule")
     b.add_argument("records", type=Path, help="records JSON of an accepted run (run --out)")
     b.add_argument("--out", type=Path, required=True, help="rule file to write")
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
 
-    dm = sub.add_parser("daemon", help="samplers that stay on every GPU node across jobs")
-    dm.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS)")
-    dm.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
-    dm.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
-    dm.add_argument("--gpus", type=positive_int, help="simulated GPUs per node (replay)")
-    dm.add_argument("--rate", type=_rate, default=1000.0, help="sampling rate in Hz, or 'max'")
-    dm.add_argument(
-        "--rescan",
-        type=_positive_float,
-        default=30.0,
-        help="seconds between scans for new nodes (default 30)",
-    )
-    dm.add_argument("--targets", type=Path, metavar="FILE", help="keep a file_sd file current")
-    dm.add_argument("--metrics-addr", metavar="ADDR", help="as for `stepmem run`")
-    dm.add_argument("--metrics-port", type=_port, default=0, help="as for `stepmem run`")
-    dm.add_argument("--stop", action="store_true", help="remove every stepmem sampler and exit")
 
+def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
     rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
     rp.add_argument("--out", type=Path, help="also write the report text here")
     rp.add_argument("--png", type=Path, help="write the timeline picture (run directory only)")
     rp.add_argument("--html", type=Path, help="write an interactive timeline (run directory only)")
 
+
+def _compare_parser(sub) -> None:
     cp = sub.add_parser("compare", help="NEW against BASE per GPU and step; exit 1 on regression")
     cp.add_argument("base", type=Path)
     cp.add_argument("new", type=Path)
     cp.add_argument(
         "--tolerance",
-        type=_fraction,
+        type=args.fraction,
         default=0.05,
         help="allowed growth of a within-step peak, e.g. 0.05 for 5 %% (default)",
     )
     cp.add_argument("--markdown", type=Path, help="write the Markdown (for a PR comment) here")
 
+
+def _dashboards_parser(sub) -> None:
     g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
     g.add_argument("--out", type=Path, default=Path("grafana/dashboards"))
 
-    d = sub.add_parser("devices", help="list GPUs on this node by UUID")
-    d.add_argument("--backend", choices=("nvml", "replay"), default="nvml")
-    d.add_argument("--capture", action="append", dest="captures", metavar="NAME|PATH")
 
-    c = sub.add_parser("capture", help="record NVML on a real GPU while a command runs")
-    c.add_argument("--out", type=Path, required=True, help="capture file (.capture.parquet)")
-    c.add_argument("--gpu", metavar="UUID", help="GPU to record (default: NVML's first)")
-    c.add_argument(
-        "--backend",
-        choices=("nvml", "replay"),
-        default="nvml",
-        help="replay: resample a capture instead of reading a real GPU",
-    )
-    c.add_argument(
-        "--capture",
-        action="append",
-        dest="captures",
-        metavar="NAME|PATH",
-        help="with --backend replay: the capture(s) to resample",
-    )
-    c.add_argument("--rate", type=_rate, default=1000.0, help="Hz, or 'max' (default 1000)")
-    c.add_argument("--duration", type=_positive_float, help="seconds, when no command is given")
-    c.add_argument(
-        "--max-seconds",
-        type=_positive_float,
-        default=600.0,
-        help="stop a command still running after this long (default 600)",
-    )
-    c.add_argument(
-        "--trim",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="keep only SECONDS before the first and after the last step event",
-    )
-    c.add_argument("--note", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("cmd", nargs=argparse.REMAINDER, help="after '--': the command to run")
+def _devices_parser(sub) -> None:
+    d = sub.add_parser("devices", help="list GPUs on this node by UUID")
+    args.add_backend(d, ("nvml", "replay"), "nvml", gpus=False)
+
+
+SUBCOMMANDS = (  # in the order `stepmem --help` lists them
+    _run_parser,
+    _baseline_parser,
+    _daemon_parser,
+    _report_parser,
+    _compare_parser,
+    _dashboards_parser,
+    _devices_parser,
+    _capture_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 
@@ -386,14 +334,14 @@ def _check_replay(ns: argparse.Namespace) -> None:
 def _backend_kind(requested: str) -> str:
     if requested != "auto":
         return requested
-    from collector.job import nvml_available
+    from collector.run import nvml_available
 
     return "nvml" if nvml_available() else "replay"
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     import workloads
-    from collector.job import JobOptions, WorkloadFailed, run_job
+    from collector.run import JobOptions, run_job
 
     ns.workload_args = _strip_dashes(ns.workload_args)
     if ns.script is not None:
@@ -416,53 +364,31 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if ns.out is not None:
         writable_file(ns.out, "--out", "stepmem run")
     _check_store(ns)
-    remote_write = None
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
-    if ns.remote_write:
-        from collector.export.remote_write import RemoteWriteConfig
-
-        remote_write = RemoteWriteConfig(
-            url=ns.remote_write,
-            bearer_token_file=ns.remote_write_bearer_token_file,
-            bearer_token_env=ns.remote_write_bearer_token_env,
-            basic_user=ns.remote_write_basic_user,
-            basic_password_file=ns.remote_write_basic_password_file,
-            basic_password_env=ns.remote_write_basic_password_env,
-            ca_file=ns.remote_write_ca_file,
-            insecure_skip_verify=ns.remote_write_insecure_skip_verify,
-        )
-        remote_write.authorization()  # a missing token file fails here, in one line
-        remote_write.ssl_context()  # and a missing CA file
     opts = JobOptions(
         backend=kind,
         backend_reason="no GPU here" if ns.backend == "auto" else "asked for",
         captures=ns.captures or ["adamw_8bit"],
         gpus=ns.gpus,
-        rate_hz=ns.rate,
         speed=ns.speed,
         steps=ns.steps,
         workload=ns.workload or "finetune",
         workload_args=ns.workload_args,
-        out=ns.out,
         ray_address=ns.address,
         targets=ns.targets,
-        remote_write=remote_write,
-        push_samples=ns.remote_write_samples,
-        metrics_addr=ns.metrics_addr,
-        metrics_port=ns.metrics_port,
-        window_s=ns.window,
-        run_id=ns.run_id,
-        workload_label=ns.workload_label,
+        sampler=args.sampler_options(ns, run_id=ns.run_id, workload=ns.workload_label),
         train_workers=ns.train_workers,
         script=ns.script,
         store=None if ns.no_store else ns.store,
     )
-    try:
-        run_job(opts)
-    except WorkloadFailed as exc:
+    result = run_job(opts)
+    if ns.out:
+        ns.out.write_text(json.dumps(result.document(), indent=1))
+        print(f"step records written to {ns.out}")
+    if result.failure is not None:
         # The store, records and report are written; the job still fails, as training did.
-        print(f"stepmem: {exc}", file=sys.stderr)
+        print(f"stepmem: {result.failure}", file=sys.stderr)
         return 1
     return 0
 
@@ -476,9 +402,9 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
 
 
 def _cmd_daemon(ns: argparse.Namespace) -> int:
+    from collector.backends import BackendSpec
     from collector.daemon import run_daemon, stop_daemon
-    from collector.job import connect_ray, terminate_as_interrupt
-    from collector.placement import BackendSpec, SamplerOptions
+    from collector.session import connect_ray, terminate_as_interrupt
 
     _check_metrics_addr(ns.metrics_addr, "stepmem daemon")
     if ns.gpus is not None and ns.gpus > MAX_REPLAY_GPUS:
@@ -495,13 +421,7 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
         captures=ns.captures or (["idle"] if ns.backend == "replay" else []),
         gpus=ns.gpus,
     )
-    options = SamplerOptions(
-        rate_hz=ns.rate,
-        run_id="daemon",
-        workload="daemon",
-        metrics_addr=ns.metrics_addr,
-        metrics_port=ns.metrics_port,
-    )
+    options = args.sampler_options(ns, run_id="daemon", workload="daemon")
     print(
         f"stepmem daemon: {ns.backend} samplers on every GPU node, rescanning every "
         f"{ns.rescan:g} s (Ctrl-C leaves them running; --stop removes them)"

@@ -16,15 +16,11 @@ from typing import Any
 
 import ray
 
+from collector.backends import BackendSpec
 from collector.export.file_sd import write_targets
-from collector.placement import (
-    NAMESPACE,
-    BackendSpec,
-    PlacedSampler,
-    SamplerOptions,
-    launch_samplers,
-    list_samplers,
-)
+from collector.lookup import NAMESPACE, list_samplers
+from collector.placement import PlacedSampler, launch_samplers
+from collector.settings import SamplerOptions
 
 __all__ = ["run_daemon", "stop_daemon"]
 

@@ -23,11 +23,30 @@ pushed through remote write with each step's end timestamp, under ``job="stepmem
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GPU_LABELS", "METRICS", "PUSHED", "PUSH_JOB", "PUSH_SAMPLES_JOB", "Metric", "by_name"]
+__all__ = [
+    "GPU_LABELS",
+    "METRICS",
+    "PUSHED",
+    "PUSH_JOB",
+    "PUSH_SAMPLES_JOB",
+    "Metric",
+    "by_name",
+    "gpu_labels",
+]
 
 GPU_LABELS = ("node", "gpu", "gpu_uuid", "run", "workload")
 PUSH_JOB = "stepmem-steps"
+
+
+def gpu_labels(node_id: str, info: Any, run_id: str, workload: str) -> dict[str, str]:
+    """The labels of every series of one GPU (:data:`GPU_LABELS`), built once per sampler from
+    its node and its ``DeviceInfo``; every exporter uses this dict as it is."""
+    values = (node_id, str(info.index), info.uuid, run_id, workload)
+    return dict(zip(GPU_LABELS, values, strict=True))
+
+
 PUSH_SAMPLES_JOB = "stepmem-samples"
 
 

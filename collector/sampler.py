@@ -35,41 +35,22 @@ import numpy as np
 
 from collector.nvml import NvmlError, NvmlGpuLost
 from collector.records import ERROR_PREFIX, StepEvent, StepRecord
+from collector.settings import DEFAULT_CAPACITY, DEFAULT_RATE, Rate
 
 __all__ = [
     "DEFAULT_CAPACITY",
-    "MAX_RATE",
     "RingBuffer",
     "SampleWindow",
     "Sampler",
     "StepJoiner",
-    "parse_rate",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY = 1 << 20
 FIRST_PHASE = "forward_backward"
 RECORDS_KEPT = 20_000
-MAX_RATE = 0.0  # "max": sample back to back, as fast as NVML answers
 _NS = 1_000_000_000
 MAX_SLEEP_NS = 50_000_000
-
-
-def parse_rate(value: str | float) -> float:
-    """``"max"`` → :data:`MAX_RATE`; a positive number of Hz otherwise. ``ValueError`` names why."""
-    if isinstance(value, str):
-        if value.strip().lower() == "max":
-            return MAX_RATE
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"rate {value!r} is neither a number of Hz nor 'max'") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"rate must be > 0 Hz (or 'max'), got {value}")
-    if value > 1_000_000:
-        raise ValueError(f"rate {value:g} Hz is above 1 MHz; use 'max' to sample back to back")
-    return float(value)
 
 
 class Device(Protocol):
@@ -219,12 +200,12 @@ class Sampler:
     def __init__(
         self,
         device: Device,
-        rate_hz: float = 1000.0,
+        rate: Rate | str | float = DEFAULT_RATE,
         capacity: int = DEFAULT_CAPACITY,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.device = device
-        self.rate_hz = rate_hz
+        self.rate = Rate.of(rate)
         self.ring = RingBuffer(capacity)
         self.errors: Counter[str] = Counter()
         self.missed = 0
@@ -236,8 +217,13 @@ class Sampler:
         self._last_error_log = 0
 
     @property
+    def rate_hz(self) -> float:
+        """The target rate in Hz (0: max), as exported and stored."""
+        return self.rate.hz
+
+    @property
     def period_ns(self) -> int:
-        return 0 if self.rate_hz == MAX_RATE else int(_NS / self.rate_hz)
+        return self.rate.period_ns
 
     @property
     def gap_threshold_ns(self) -> int:

@@ -204,10 +204,6 @@ class RunWriter:
             ),
         )
 
-    def update_meta(self, **fields: Any) -> None:
-        self.meta.update(fields)
-        self._write_meta()
-
     def close(self, status: str = "complete", **fields: Any) -> None:
         """Flush, then mark the run ``status`` in ``meta.json``."""
         self.flush()

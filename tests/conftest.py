@@ -30,8 +30,6 @@ def ray_cluster() -> Iterator[None]:
     """One real local Ray cluster for the session, bound to 127.0.0.1, no dashboard."""
     import ray
 
-    from collector.placement import forget_samplers
-
     ray.init(
         # "local": always a cluster of its own, never the `ray start` head that
         # /tmp/ray/ray_current_cluster or RAY_ADDRESS names (another test's, or a user's)
@@ -45,7 +43,6 @@ def ray_cluster() -> Iterator[None]:
     try:
         yield
     finally:
-        forget_samplers()
         ray.shutdown()
 
 
@@ -54,13 +51,10 @@ def kill_samplers(ray_cluster: None) -> Iterator[list]:
     """Actors appended to the yielded list are killed after the test (tests stay independent)."""
     import ray
 
-    from collector.placement import forget_samplers
-
     handles: list = []
     yield handles
     for h in handles:
         ray.kill(h, no_restart=True)
-    forget_samplers()
 
 
 def loopback(**kw):

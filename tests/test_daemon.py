@@ -7,7 +7,8 @@ import pytest
 import ray
 
 from collector.daemon import run_daemon, stop_daemon
-from collector.placement import BackendSpec, find_sampler, forget_samplers, list_samplers
+from collector.lookup import SamplerLookup, list_samplers
+from collector.placement import BackendSpec
 from tests.conftest import loopback
 
 pytestmark = pytest.mark.ray
@@ -39,17 +40,15 @@ def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluste
         )
         assert list_samplers() == names
         uuid = entries[0]["labels"]["gpu_uuid"]
-        forget_samplers()
-        handle = find_sampler(uuid)  # what a job's probe does
+        handle = SamplerLookup().find(uuid)  # what a job's probe does
         assert handle is not None and ray.get(handle.info.remote())["gpu_uuid"] == uuid
     finally:
         stopped = stop_daemon(echo=lambda *a: None)
-        forget_samplers()
     assert stopped == 2 and list_samplers() == []
 
 
 def test_a_job_uses_the_daemons_samplers_and_leaves_them_running(ray_cluster, tmp_path):
-    from collector.job import JobOptions, run_job
+    from collector.run import JobOptions, run_job
 
     spec = BackendSpec("replay", captures=["adamw_8bit"], gpus=1)
     try:
@@ -64,14 +63,13 @@ def test_a_job_uses_the_daemons_samplers_and_leaves_them_running(ray_cluster, tm
                 speed=4.0,
                 steps=2,
                 store=tmp_path / "runs",
-                metrics_addr="127.0.0.1",
+                sampler=loopback(),
             ),
             echo=lambda *a: None,
-        )
+        ).records
         assert [r["step"] for r in records] == [1, 2]
         handle = ray.get_actor(name, namespace="stepmem")
         assert list_samplers() == [name]
         assert ray.get(handle.health.remote())["alive"] is True  # still sampling
     finally:
         stop_daemon(echo=lambda *a: None)
-        forget_samplers()

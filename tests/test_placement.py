@@ -6,15 +6,10 @@ import pytest
 import ray
 
 from collector.errors import StepmemError
-from collector.placement import (
-    NAMESPACE,
-    BackendSpec,
-    find_sampler,
-    launch_samplers,
-    list_samplers,
-    sampler_name,
-)
+from collector.lookup import NAMESPACE, SamplerLookup, list_samplers, sampler_name
+from collector.placement import BackendSpec, launch_samplers
 from collector.replay import Capture, resolve_capture
+from collector.settings import Sampling
 from tests.conftest import loopback, wait_for
 
 pytestmark = pytest.mark.ray
@@ -37,18 +32,19 @@ def test_one_actor_per_simulated_gpu_named_by_uuid_and_launch_is_idempotent(kill
     pids = {p.info["pid"] for p in placed}
     assert {p.info["pid"] for p in again} == pids  # the same actors, not new ones
     assert len(pids) == 3
-    handle = find_sampler(placed[0].gpu_uuid)
-    assert handle is not None and find_sampler(placed[0].gpu_uuid) is handle  # cached
+    lookup = SamplerLookup()
+    handle = lookup.find(placed[0].gpu_uuid)
+    assert handle is not None and lookup.find(placed[0].gpu_uuid) is handle  # cached
     assert ray.get(handle.info.remote())["gpu_uuid"] == placed[0].gpu_uuid
     assert ray.get_actor(placed[1].name, namespace=NAMESPACE) is not None
 
 
 def test_lookup_of_a_gpu_without_a_sampler_is_none(ray_cluster):
-    assert find_sampler("GPU-00000000-0000-0000-0000-000000000000") is None
+    assert SamplerLookup().find("GPU-00000000-0000-0000-0000-000000000000") is None
 
 
 def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
-    from collector.job import nvml_available
+    from collector.run import nvml_available
 
     if nvml_available():
         pytest.skip("this machine has GPUs")
@@ -76,7 +72,7 @@ def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) ->
 def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, steps, speed):
     cap = Capture.load(resolve_capture(capture))
     spec = BackendSpec("replay", captures=[capture], gpus=2, speed=speed)
-    placed = launch_samplers(spec, loopback(rate_hz=1000))
+    placed = launch_samplers(spec, loopback(sampling=Sampling(rate=1000)))
     kill_samplers.extend(p.handle for p in placed)
     first = min(e["t_ns"] for e in cap.events)
     origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
@@ -126,10 +122,8 @@ def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers, re
     )
 
 
-def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers, monkeypatch):
-    from collector import placement
-
-    monkeypatch.setattr(placement, "HANDLE_TTL_S", 0.2)
+def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers):
+    find_sampler = SamplerLookup(handle_ttl_s=0.2).find
     spec = BackendSpec("replay", captures=["idle"], gpus=1)
     (first,) = launch_samplers(spec, loopback())
     old = find_sampler(first.gpu_uuid)

@@ -232,7 +232,8 @@ def test_a_step_that_raises_is_recorded_as_failed_and_the_error_goes_on():
 
 
 def test_a_workload_that_dies_fails_the_job_with_the_step_named():
-    from collector.job import JobOptions, _run_live
+    from collector.run import JobOptions
+    from collector.runners import LiveRunner
 
     ob = Outbox(lambda uuid: None, flush_interval_s=0.01)
     opts = JobOptions(
@@ -251,7 +252,7 @@ def test_a_workload_that_dies_fails_the_job_with_the_step_named():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "empty", empty)
         with pytest.raises(torch.OutOfMemoryError):
-            _run_live(opts, ob, lambda *_: None)
+            LiveRunner(opts).run(ob, lambda *_: None)
     ends = [e for e in ob.events if e["kind"] == "end"]
     assert [(e["step"], e["phase"]) for e in ends] == [
         (1, ""),
@@ -263,7 +264,8 @@ def test_a_workload_that_dies_fails_the_job_with_the_step_named():
 def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
     """`stepmem run --script train.py -- ARGS`: the script runs as __main__ with its argv, its
     own probe (the three lines a user adds) takes its steps; a non-zero exit fails the job."""
-    from collector.job import JobOptions, _run_live
+    from collector.run import JobOptions
+    from collector.runners import ScriptRunner
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -280,8 +282,8 @@ def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
     )
     out = tmp_path / "out.json"
     ob = Outbox(None)
-    summary = _run_live(
-        JobOptions(script=script, workload_args=[str(out), "0"]), ob, lambda *_: None
+    summary = ScriptRunner(JobOptions(script=script, workload_args=[str(out), "0"])).run(
+        ob, lambda *_: None
     )
     assert json.loads(out.read_text()) == {
         "argv": [str(out), "0"],
@@ -290,4 +292,6 @@ def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
     }
     assert summary["script"] == str(script)
     with pytest.raises(RuntimeError, match="exited with status 3"):
-        _run_live(JobOptions(script=script, workload_args=[str(out), "3"]), ob, lambda *_: None)
+        ScriptRunner(JobOptions(script=script, workload_args=[str(out), "3"])).run(
+            ob, lambda *_: None
+        )

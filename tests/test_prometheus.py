@@ -16,6 +16,7 @@ from collector.export.remote_write import RemoteWriteConfig, RemoteWriter
 from collector.placement import BackendSpec, launch_samplers
 from collector.probe.core import Outbox, StepProbe
 from collector.replay import Capture, resolve_capture
+from collector.settings import Sampling
 from tests.conftest import loopback, wait_for
 from tests.prom import Prometheus, free_port, require
 
@@ -41,7 +42,12 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
     rw = RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.2)
     placed = launch_samplers(
         BackendSpec("replay", captures=["spiky"], gpus=2),
-        loopback(run_id="t-export", window_s=10.0, remote_write=rw, push_samples=True),
+        loopback(
+            run_id="t-export",
+            sampling=Sampling(window_s=10.0),
+            remote_write=rw,
+            push_samples=True,
+        ),
     )
     kill_samplers.extend(p.handle for p in placed)
     assert all(p.info["metrics_addr"] == "127.0.0.1" for p in placed)  # the node's address

@@ -58,16 +58,16 @@ def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_
 def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):
     """`stepmem run --train-workers N`: the job's Ray Train path, with a CPU worker whose probe
     addresses the replayed GPU of this node."""
-    from collector.job import JobOptions, _run_train
+    from collector.run import JobOptions
+    from collector.runners import TrainRunner
 
     (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(placed.handle)
     args = ["--pattern", "leak", "--steps", "3", "--leak-mib", "1", "--base-mib", "4"]
-    opts = JobOptions(
-        workload="patterns", workload_args=args, train_workers=1, store=tmp_path, run_id="t"
-    )
+    opts = JobOptions(workload="patterns", workload_args=args, train_workers=1, store=tmp_path)
     lines = []
-    summary = _run_train(opts, lines.append, use_gpu=False, gpu_uuids={"cpu": placed.gpu_uuid})
+    runner = TrainRunner(opts, "t", use_gpu=False, gpu_uuids={"cpu": placed.gpu_uuid})
+    summary = runner.run(None, lines.append)
     assert summary["train_workers"] == 1 and len(summary["step_times_s"]) == 3, summary
     assert summary["probe_sent"] == 6 and not summary["probe_dropped"]  # begin + end, 3 steps
     assert "Ray Train: 1 worker(s), CPU" in lines

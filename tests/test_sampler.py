@@ -7,7 +7,8 @@ import pytest
 
 from collector.nvml import NvmlGpuLost, NvmlNotSupported, NvmlUnknown
 from collector.records import StepEvent
-from collector.sampler import MAX_RATE, RingBuffer, Sampler, StepJoiner, parse_rate
+from collector.sampler import RingBuffer, Sampler, StepJoiner
+from collector.settings import Rate
 from tests.conftest import wait_for
 
 
@@ -30,17 +31,17 @@ class CountingDevice:
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "abc", "", "2e6"])
 def test_bad_rates_are_rejected_with_the_reason(text):
     with pytest.raises(ValueError, match="rate"):
-        parse_rate(text)
+        Rate.parse(text)
 
 
 def test_rates_parse():
-    assert parse_rate("max") == MAX_RATE
-    assert parse_rate("1000") == 1000.0
-    assert parse_rate(250) == 250.0
+    assert Rate.parse("max") == Rate.MAX
+    assert Rate.parse("1000").hz == 1000.0
+    assert Rate.parse(250).hz == 250.0
 
 
 def test_sampler_keeps_its_schedule_and_records_real_timestamps():
-    s = Sampler(CountingDevice(), rate_hz=500, capacity=4096)
+    s = Sampler(CountingDevice(), rate=500, capacity=4096)
     s.start()
     time.sleep(0.6)
     s.stop()
@@ -54,7 +55,7 @@ def test_sampler_keeps_its_schedule_and_records_real_timestamps():
 
 
 def test_errors_are_counted_by_kind_and_sampling_goes_on():
-    s = Sampler(CountingDevice(fail_every=3, fail_with=NvmlUnknown), rate_hz=2000, capacity=4096)
+    s = Sampler(CountingDevice(fail_every=3, fail_with=NvmlUnknown), rate=2000, capacity=4096)
     s.start()
     wait_for(lambda: s.errors["unknown"] >= 5, timeout=10)
     s.stop()
@@ -64,7 +65,7 @@ def test_errors_are_counted_by_kind_and_sampling_goes_on():
 
 
 def test_a_lost_gpu_stops_the_loop_and_says_why():
-    s = Sampler(CountingDevice(lose_after=20), rate_hz=MAX_RATE, capacity=4096)
+    s = Sampler(CountingDevice(lose_after=20), rate=Rate.MAX, capacity=4096)
     s.start()
     wait_for(lambda: not s.alive, timeout=10)
     assert s.stopped_by == "gpu_lost"
@@ -73,7 +74,7 @@ def test_a_lost_gpu_stops_the_loop_and_says_why():
 
 
 def test_stop_is_prompt_even_at_a_slow_rate():
-    s = Sampler(CountingDevice(), rate_hz=0.5, capacity=16)
+    s = Sampler(CountingDevice(), rate=0.5, capacity=16)
     s.start()
     time.sleep(0.05)
     t0 = time.monotonic()
@@ -82,7 +83,7 @@ def test_stop_is_prompt_even_at_a_slow_rate():
 
 
 def test_max_rate_samples_back_to_back():
-    s = Sampler(CountingDevice(), rate_hz=MAX_RATE, capacity=1 << 16)
+    s = Sampler(CountingDevice(), rate=Rate.MAX, capacity=1 << 16)
     s.start()
     time.sleep(0.2)
     s.stop()
@@ -96,7 +97,7 @@ MS = 1_000_000
 
 def joiner_with(samples, capacity=1024, started_ns=1):
     """A StepJoiner over a sampler whose ring holds ``samples`` [(t_ns, used)] (no thread)."""
-    s = Sampler(CountingDevice(), rate_hz=1000, capacity=capacity)
+    s = Sampler(CountingDevice(), rate=1000, capacity=capacity)
     s.started_ns = started_ns
     for t, used in samples:
         s.ring.append(t, used, 100)

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from collector.cli import positive_int
+    from collector.args import positive_int
 
     p = argparse.ArgumentParser(prog="finetune", description=__doc__.splitlines()[0])
     p.add_argument(

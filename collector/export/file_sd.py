@@ -70,7 +70,6 @@ class TargetsRefresher:
         self.handles = handles
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.writes = 0
         self._stop = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._run, name="stepmem-file-sd", daemon=True)
@@ -85,8 +84,7 @@ class TargetsRefresher:
                 infos.append(ray.get(h.info.remote(), timeout=self.timeout_s))
             except Exception:  # a dead or stuck sampler is not a target
                 continue
-        if write_targets(self.path, infos):
-            self.writes += 1
+        write_targets(self.path, infos)
         return infos
 
     def _run(self) -> None:

@@ -6,7 +6,7 @@ fails to build is logged and skipped — a collector never breaks a scrape. The 
 prometheus-client's: it answers ``GET /metrics`` (and ``HEAD``) only; nothing accepts writes.
 
 Scrape cost: a handful of dict lookups per GPU plus one window max/min over the ring (at 1 kHz
-and a 15 s window, 15,000 int64s); see ``benchmarks/scrape_cost.py``.
+and a 15 s window, 15,000 int64s); see ``benchmarks/export_cost.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collector.metrics import (
     METRICS,
     REMOTE_WRITE_DROP_REASONS,
 )
+from collector.settings import DEFAULT_WINDOW_S
 
 __all__ = ["SamplerCollector", "Snapshot", "serve"]
 
@@ -41,7 +42,7 @@ class Snapshot:
     total_bytes: int
     used_bytes: int | None = None
     reserved_bytes: int | None = None
-    window_s: float = 15.0
+    window_s: float = DEFAULT_WINDOW_S
     window_max_bytes: int | None = None
     window_min_bytes: int | None = None
     last_record: dict[str, Any] | None = None

@@ -292,13 +292,23 @@ class Outbox:
             self._file = None
 
 
-def _default_resolve(uuid: str) -> Any:
-    ray = sys.modules.get("ray")  # a process that never imported Ray has no sampler to talk to
-    if ray is None or not ray.is_initialized():
-        return None
-    from collector.placement import find_sampler
+class _RaySamplers:
+    """Resolves a GPU UUID to this node's sampler, once the process is connected to Ray (a
+    process that never imported Ray has no sampler to talk to). Each outbox owns one, with its
+    own lookup cache."""
 
-    return find_sampler(uuid)
+    def __init__(self) -> None:
+        self._lookup: Any = None
+
+    def __call__(self, uuid: str) -> Any:
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return None
+        if self._lookup is None:
+            from collector.lookup import SamplerLookup
+
+            self._lookup = SamplerLookup()
+        return self._lookup.find(uuid)
 
 
 class StepProbe:
@@ -324,7 +334,7 @@ class StepProbe:
     ) -> None:
         if events_file is None:
             events_file = os.environ.get(EVENTS_ENV) or None
-        self.outbox = outbox or Outbox(_default_resolve, events_file=events_file)
+        self.outbox = outbox or Outbox(_RaySamplers(), events_file=events_file)
         self.reset_peaks = reset_peaks
         self.model: Any = None
         self.optimizer: Any = None
@@ -382,14 +392,6 @@ class StepProbe:
             self._setup()
         assert self._devices is not None
         return self._devices
-
-    def uuid_of(self, device: Any) -> str:
-        return self._uuids[device]
-
-    def baseline_bytes(self, device: Any) -> int | None:
-        """Device memory used outside the allocator when the probe started (CUDA context,
-        cuBLAS workspaces, other processes), from ``mem_get_info``; None without CUDA."""
-        return self._baseline.get(device)
 
     # -- reading -----------------------------------------------------------------------------
 

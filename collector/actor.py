@@ -1,0 +1,238 @@
+"""The sampler actor: one per GPU, sampling it, joining the step events the training side sends,
+serving ``/metrics`` and pushing remote write. :mod:`collector.placement` places them;
+:mod:`collector.lookup` finds one by name.
+
+Restarts: a dead sampler is restarted by Ray (``max_restarts=3``) with a fresh ring, and calls
+made while it restarts are retried on the new process (``max_task_retries=3``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import ray
+
+from collector.backends import BackendSpec
+from collector.metrics import gpu_labels
+from collector.records import StepEvent
+from collector.sampler import Sampler, StepJoiner
+from collector.settings import SamplerOptions
+
+__all__ = ["SamplerActor"]
+
+log = logging.getLogger(__name__)
+
+JOIN_INTERVAL_S = 0.05
+MAX_EVENTS_PER_CALL = 10_000
+
+
+@ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=3)
+class SamplerActor:
+    """Samples one GPU and joins the step events the training side sends it.
+
+    ``record_events`` is meant to be called fire-and-forget (``actor.record_events.remote(batch)``
+    with the ref dropped): it validates each event, counts what it rejects and never raises.
+
+    Restarts: a dead sampler is restarted by Ray (``max_restarts=3``) with a fresh ring, and calls
+    made while it restarts are retried on the new process (``max_task_retries=3``), so the
+    probe's events are not lost; steps that began before the restart are flagged
+    ``sampler_started`` in their records.
+    """
+
+    def __init__(
+        self, node_id: str, gpu_uuid: str, spec: BackendSpec, options: SamplerOptions
+    ) -> None:
+        from collector.export.prometheus import SamplerCollector, serve
+
+        self.node_id = node_id
+        self.spec = spec
+        self.options = options
+        self.device = spec.build(node_id).open(gpu_uuid)
+        sampling = options.sampling
+        self.sampler = Sampler(self.device, sampling.rate, capacity=sampling.capacity)
+        self.joiner = StepJoiner(self.sampler)
+        self.events_received = 0
+        self.events_rejected: Counter[str] = Counter()
+        self.labels = gpu_labels(node_id, self.device.info, options.run_id, options.workload)
+        self.writer = None
+        self._sample_cursor = 0
+        if options.remote_write is not None:
+            from collector.export.remote_write import RemoteWriter
+
+            self.writer = RemoteWriter(options.remote_write)
+        addr = options.metrics_addr or ray.util.get_node_ip_address()
+        port = options.metrics_port + self.device.info.index if options.metrics_port else 0
+        self.metrics_addr, self.metrics_port = addr, port
+        # A port in use or an address not on this node: the actor stays up to say so in
+        # ``info()`` (one line for the user), samples nothing, and the launcher removes it.
+        self.init_error = ""
+        try:
+            self._server, self.metrics_port = serve(
+                SamplerCollector(lambda: [self.snapshot()]), addr, port
+            )
+        except OSError as exc:
+            self._server = None
+            self.init_error = f"cannot serve /metrics on {addr}:{port}: {exc.strerror or exc}"
+        else:
+            self.sampler.start()
+        self._stop = threading.Event()
+        self._join_thread = threading.Thread(
+            target=self._join_loop, name="stepmem-join", daemon=True
+        )
+        self._join_thread.start()
+
+    def _join_loop(self) -> None:
+        while not self._stop.wait(JOIN_INTERVAL_S):
+            try:
+                self._publish(self.joiner.poll())
+            except Exception:  # never let the join thread die silently
+                log.exception("step join failed")
+
+    def _publish(self, records: list[Any], final: bool = False) -> None:
+        if self.writer is None:
+            return
+        offset = time.time_ns() - time.monotonic_ns()
+        for rec in records:
+            self.writer.push_step(self.labels, rec.to_dict(), offset)
+        if self.options.push_samples:
+            w, nxt = self.sampler.ring.since(self._sample_cursor)
+            if w.lost:
+                self.writer.dropped["ring_overrun"] += w.lost
+            held = self.writer.push_samples(self.labels, w.t_ns, w.used, offset, final=final)
+            self._sample_cursor = nxt - held
+
+    def snapshot(self) -> Any:
+        """What ``/metrics`` shows for this GPU now (see :mod:`collector.export.prometheus`)."""
+        from collector.export.prometheus import Snapshot
+
+        s, ring = self.sampler, self.sampler.ring
+        last = ring.last()
+        snap = Snapshot(
+            labels=self.labels,
+            total_bytes=self.device.info.total_bytes,
+            window_s=self.options.sampling.window_s,
+            samples_total=ring.count,
+            errors=dict(s.errors),
+            missed_deadlines=s.missed,
+            dropped=dict(self.events_rejected) | dict(self.joiner.rejected),
+            rate_hz=s.achieved_rate_hz(),
+            target_rate_hz=s.rate_hz,
+            up=s.alive,
+            steps_joined=self.joiner.joined,
+            last_record=newest.to_dict() if (newest := self.joiner.newest()) else None,
+            remote_write=self.writer.stats() if self.writer is not None else {},
+        )
+        if last is not None:
+            snap.used_bytes, snap.reserved_bytes = last[1], last[2]
+            w = ring.window(last[0] - int(self.options.sampling.window_s * 1e9), last[0])
+            snap.window_max_bytes, snap.window_min_bytes = int(w.used.max()), int(w.used.min())
+        return snap
+
+    def info(self) -> dict[str, Any]:
+        d = self.device.info
+        return {
+            "node_id": self.node_id,
+            "actor_node_id": ray.get_runtime_context().get_node_id(),  # where it really runs
+            "gpu_uuid": d.uuid,
+            "index": d.index,
+            "name": d.name,
+            "total_bytes": d.total_bytes,
+            "driver": d.driver,
+            "backend": self.device.backend,
+            "memory_info_version": self.device.memory_info_version,
+            "rate_hz": self.sampler.rate_hz,
+            "run_id": self.options.run_id,
+            "workload": self.options.workload,
+            "metrics_addr": self.metrics_addr,
+            "metrics_port": self.metrics_port,
+            "capacity": self.sampler.ring.capacity,
+            "ring_bytes": self.sampler.ring.nbytes,
+            "pid": os.getpid(),
+            "started_ns": self.sampler.started_ns,
+            "wall_offset_ns": time.time_ns() - time.monotonic_ns(),
+            "replay_origin_ns": getattr(self.device, "origin_ns", None),
+            "replay_speed": getattr(self.device, "speed", None),
+            "error": self.init_error,
+        }
+
+    def record_events(self, events: list[dict[str, Any]]) -> int:
+        """Take a batch of step events (dicts). Returns how many were accepted."""
+        if not isinstance(events, list):
+            self.events_rejected["malformed"] += 1
+            return 0
+        if len(events) > MAX_EVENTS_PER_CALL:
+            self.events_rejected["batch_too_large"] += len(events)
+            return 0
+        accepted = 0
+        for raw in events:
+            self.events_received += 1
+            try:
+                ev = StepEvent.from_dict(raw)
+            except (ValueError, TypeError):
+                self.events_rejected["malformed"] += 1
+                continue
+            if ev.gpu_uuid != self.device.uuid:
+                self.events_rejected["wrong_gpu"] += 1
+                continue
+            self.joiner.add(ev)
+            accepted += 1
+        return accepted
+
+    def step_records(self, since_step: int = -1, flush: bool = False) -> list[dict[str, Any]]:
+        """Joined step records with ``step > since_step``; ``flush`` joins pending steps now."""
+        self._publish(self.joiner.poll(force=flush))
+        return [r.to_dict() for r in self.joiner.records_since(since_step)]
+
+    def last(self) -> tuple[int, int, int] | None:
+        return self.sampler.ring.last()
+
+    def samples_since(self, seq: int) -> dict[str, Any]:
+        w, nxt = self.sampler.ring.since(seq)
+        return {"t_ns": w.t_ns, "used": w.used, "reserved": w.reserved, "lost": w.lost, "next": nxt}
+
+    def replay_from(self, origin_ns: int) -> None:
+        """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
+        (the job aligns every replayed GPU of a node after they have all started)."""
+        if not hasattr(self.device, "origin_ns"):
+            raise TypeError("replay_from is for the replay backend")
+        self.device.origin_ns = int(origin_ns)
+
+    def inject_fault(self, kind: str, every: int = 1) -> None:
+        """Replay backend only: make NVML reads fail (see ``ReplayDevice.inject``)."""
+        if not hasattr(self.device, "inject"):
+            raise TypeError("fault injection is for the replay backend")
+        self.device.inject(kind, every, time.monotonic_ns())
+
+    def thread_cpu_s(self) -> float:
+        return self.sampler.thread_cpu_s()
+
+    def health(self) -> dict[str, Any]:
+        s = self.sampler
+        return {
+            "alive": s.alive,
+            "stopped_by": s.stopped_by,
+            "samples_total": s.ring.count,
+            "errors": dict(s.errors),
+            "missed_deadlines": s.missed,
+            "rate_hz": s.achieved_rate_hz(),
+            "events_received": self.events_received,
+            "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
+            "steps_pending": self.joiner.pending,
+            "steps_joined": self.joiner.joined,
+            "remote_write": self.writer.stats() if self.writer is not None else None,
+        }
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling, join every pending step, flush remote write, return the final health."""
+        self.sampler.stop()
+        self._stop.set()
+        self._publish(self.joiner.poll(force=True), final=True)
+        if self.writer is not None:
+            self.writer.mark_stale()  # the run is over: its series end now, not 5 min later
+            self.writer.close()
+        return self.health()

@@ -1,0 +1,176 @@
+"""Command-line argument types and the argument groups several subcommands share, each written
+once: a flag's name, default and help live here, and its value becomes a setting of
+:mod:`collector.settings` in one function.
+
+The types raise ``argparse.ArgumentTypeError`` with a one-line reason; the parser turns it into
+``stepmem <cmd>: argument --flag: reason`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from collector.settings import DEFAULT_RATE, DEFAULT_WINDOW_S, Rate, SamplerOptions, Sampling
+
+__all__ = [
+    "add_backend",
+    "add_metrics",
+    "add_remote_write",
+    "add_sampling",
+    "fraction",
+    "port",
+    "positive_float",
+    "positive_int",
+    "rate",
+    "remote_write_config",
+    "sampler_options",
+    "sampling",
+]
+
+
+def _number(text: str, kind: type, lo: float, hi: float, what: str) -> float:
+    """Parse ``text`` as ``kind`` within [lo, hi] for argparse, naming the problem in one line."""
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not lo <= v <= hi:
+        raise argparse.ArgumentTypeError(f"must be in {lo:g}..{hi:g}, got {text}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    return int(_number(text, int, 1, float("inf"), "an integer"))
+
+
+def positive_float(text: str) -> float:
+    v = _number(text, float, 0, float("inf"), "a number")
+    if v == 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def port(text: str) -> int:
+    return int(_number(text, int, 0, 65535, "a port number"))
+
+
+def fraction(text: str) -> float:
+    return _number(text, float, 0, 10, "a number (0.05 = 5 %)")
+
+
+def rate(text: str) -> Rate:
+    try:
+        return Rate.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# -- groups ---------------------------------------------------------------------------------------
+
+
+def add_sampling(p: argparse.ArgumentParser, window: bool = True) -> None:
+    """``--rate`` (and ``--window``): read back by :func:`sampling`."""
+    p.add_argument(
+        "--rate",
+        type=rate,
+        default=DEFAULT_RATE,
+        help=f"sampling rate in Hz, or 'max' (default {DEFAULT_RATE.hz:g})",
+    )
+    if window:
+        p.add_argument(
+            "--window",
+            type=positive_float,
+            default=DEFAULT_WINDOW_S,
+            help="trailing window of the window max/min gauges, seconds "
+            f"(default {DEFAULT_WINDOW_S:g})",
+        )
+
+
+def sampling(ns: argparse.Namespace) -> Sampling:
+    return Sampling(rate=ns.rate, window_s=getattr(ns, "window", DEFAULT_WINDOW_S))
+
+
+def add_backend(
+    p: argparse.ArgumentParser,
+    choices: tuple[str, ...],
+    default: str,
+    help: str | None = None,
+    captures: str = "capture(s) to replay; repeat for several",
+    gpus: bool = True,
+) -> None:
+    """``--backend``, ``--capture`` (repeatable) and ``--gpus`` (simulated GPUs per node)."""
+    p.add_argument("--backend", choices=choices, default=default, help=help)
+    p.add_argument(
+        "--capture", action="append", dest="captures", metavar="NAME|PATH", help=captures
+    )
+    if gpus:
+        p.add_argument("--gpus", type=positive_int, help="simulated GPUs per node (replay)")
+
+
+def add_metrics(p: argparse.ArgumentParser) -> None:
+    """Where each sampler's ``/metrics`` listens."""
+    p.add_argument(
+        "--metrics-addr",
+        metavar="ADDR",
+        help="address each sampler's /metrics binds (default: the node's IP; "
+        "0.0.0.0 only if you mean all interfaces)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=0,
+        help="port for /metrics (default 0: the OS picks one per sampler); N: the sampler of "
+        "GPU i serves on N+i (fixed ports, e.g. for a Kubernetes PodMonitor)",
+    )
+
+
+def add_remote_write(p: argparse.ArgumentParser) -> None:
+    rw = p.add_argument_group("remote write (every step pushed with its step-end timestamp)")
+    rw.add_argument("--remote-write", metavar="URL", help="e.g. http://127.0.0.1:9090/api/v1/write")
+    rw.add_argument(
+        "--remote-write-samples",
+        action="store_true",
+        help="also push the raw NVML trace as per-millisecond maxima",
+    )
+    rw.add_argument("--remote-write-bearer-token-file", metavar="FILE")
+    rw.add_argument("--remote-write-bearer-token-env", metavar="VAR")
+    rw.add_argument("--remote-write-basic-user", metavar="USER")
+    rw.add_argument("--remote-write-basic-password-file", metavar="FILE")
+    rw.add_argument("--remote-write-basic-password-env", metavar="VAR")
+    rw.add_argument("--remote-write-ca-file", metavar="FILE")
+    rw.add_argument("--remote-write-insecure-skip-verify", action="store_true")
+
+
+def remote_write_config(ns: argparse.Namespace):  # -> RemoteWriteConfig | None
+    """The remote write settings, their files checked now (a missing token or CA file fails here,
+    in one line); None without ``--remote-write``."""
+    if not getattr(ns, "remote_write", None):
+        return None
+    from collector.export.remote_write import RemoteWriteConfig
+
+    config = RemoteWriteConfig(
+        url=ns.remote_write,
+        bearer_token_file=ns.remote_write_bearer_token_file,
+        bearer_token_env=ns.remote_write_bearer_token_env,
+        basic_user=ns.remote_write_basic_user,
+        basic_password_file=ns.remote_write_basic_password_file,
+        basic_password_env=ns.remote_write_basic_password_env,
+        ca_file=ns.remote_write_ca_file,
+        insecure_skip_verify=ns.remote_write_insecure_skip_verify,
+    )
+    config.authorization()
+    config.ssl_context()
+    return config
+
+
+def sampler_options(ns: argparse.Namespace, run_id: str, workload: str = "") -> SamplerOptions:
+    """Every sampler setting of a parsed command line, in one object."""
+    return SamplerOptions(
+        sampling=sampling(ns),
+        run_id=run_id,
+        workload=workload,
+        metrics_addr=ns.metrics_addr,
+        metrics_port=ns.metrics_port,
+        remote_write=remote_write_config(ns),
+        push_samples=getattr(ns, "remote_write_samples", False),
+    )

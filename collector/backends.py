@@ -1,0 +1,72 @@
+"""What the sampler side needs from a GPU backend, and how one travels to a sampler actor.
+
+Two backends implement :class:`Backend`: live NVML (:class:`collector.nvml.LiveBackend`) and the
+replay of captures recorded on a real GPU (:class:`collector.replay.ReplayBackend`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from collector.records import DeviceInfo, ProcessMemory
+
+__all__ = ["Backend", "BackendSpec", "Device"]
+
+
+class Device(Protocol):
+    """One opened GPU: what the sampler and its actor use."""
+
+    info: DeviceInfo
+    backend: str  # "nvml" | "replay"
+    memory_info_version: int
+
+    @property
+    def uuid(self) -> str: ...
+
+    def read(self) -> tuple[int, int]:
+        """(used, reserved) bytes now; raises :class:`collector.nvml.NvmlError`."""
+        ...
+
+    def processes(self) -> list[ProcessMemory]: ...
+
+
+class Backend(Protocol):
+    """The GPUs of one node."""
+
+    def devices(self) -> list[DeviceInfo]: ...
+
+    def open(self, uuid: str) -> Device: ...
+
+
+@dataclass
+class BackendSpec:
+    """Which backend a sampler actor builds, in a form that travels to other processes.
+
+    ``kind`` is ``"nvml"`` or ``"replay"``. For replay: ``captures`` (names or paths), ``gpus``
+    per node (default: one per capture), ``speed`` and ``origin_ns`` (monotonic time at which
+    every replayed GPU of a node starts playing; default: when the launcher ran).
+    """
+
+    kind: str = "nvml"
+    captures: list[str] = field(default_factory=list)
+    gpus: int | None = None
+    speed: float = 1.0
+    origin_ns: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("nvml", "replay"):
+            raise ValueError(f"backend must be 'nvml' or 'replay', got {self.kind!r}")
+        if self.kind == "replay" and not self.captures:
+            raise ValueError("the replay backend needs at least one capture")
+
+    def build(self, node_id: str) -> Backend:
+        if self.kind == "nvml":
+            from collector.nvml import LiveBackend
+
+            return LiveBackend()
+        from collector.replay import ReplayBackend
+
+        return ReplayBackend(
+            self.captures, self.gpus, node_id=node_id, origin_ns=self.origin_ns, speed=self.speed
+        )

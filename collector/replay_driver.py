@@ -1,0 +1,98 @@
+"""Playing the recorded step events of replayed GPUs, in time with their NVML traces.
+
+The samplers of a replay run each play a capture (GPU ``k`` of a node plays capture
+``k % len(captures)``, :meth:`collector.replay.ReplayBackend.capture_for`). Once they all run,
+:meth:`ReplayDriver.align` restarts every one so that the first recorded step starts
+:data:`REPLAY_LEAD_S` seconds from now; :meth:`ReplayDriver.play` then sends each GPU's recorded
+events at their recorded times (scaled by the speed), so the step records match the real run's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from collector.errors import StepmemError
+from collector.records import StepEvent
+
+if TYPE_CHECKING:
+    from collector.backends import BackendSpec
+    from collector.placement import PlacedSampler
+    from collector.probe.core import Outbox
+
+__all__ = ["REPLAY_LEAD_S", "ReplayDriver"]
+
+REPLAY_LEAD_S = 0.5  # lead between aligning replayed GPUs and the first replayed step
+
+
+class ReplayDriver:
+    """Alignment and playback for the replayed GPUs ``placed`` (launched with ``spec``);
+    ``steps`` plays steps 1..steps only (None: every recorded step)."""
+
+    def __init__(self, spec: BackendSpec, placed: list[PlacedSampler], steps: int | None) -> None:
+        self.spec, self.placed, self.steps = spec, placed, steps
+        self.origin_ns: int | None = None
+        backends = {n: spec.build(n) for n in {p.node_id for p in placed}}
+        # each GPU's capture, as its sampler plays it (by UUID on its node)
+        self.captures = {p.gpu_uuid: backends[p.node_id].capture_for(p.gpu_uuid) for p in placed}
+
+    def align(self) -> int:
+        """Restart playback on every replayed GPU so its capture time 0 falls at one monotonic
+        origin, chosen so the first recorded step starts in :data:`REPLAY_LEAD_S`. Returns it."""
+        first = min(
+            (min((e["t_ns"] for e in c.events), default=0) for c in self.captures.values()),
+            default=0,
+        )
+        origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / self.spec.speed)
+        ray.get([p.handle.replay_from.remote(origin) for p in self.placed], timeout=60)
+        self.origin_ns = origin
+        return origin
+
+    def plan(self) -> list[tuple[int, dict[str, Any]]]:
+        """(monotonic time, event) for every event to send, in time order."""
+        if self.origin_ns is None:
+            raise RuntimeError("align() first: the plan is on the aligned clock")
+        plan = []
+        for p in self.placed:
+            for ev in self.captures[p.gpu_uuid].events:
+                if self.steps is not None and ev["step"] > self.steps:
+                    continue
+                t = self.origin_ns + int(ev["t_ns"] / self.spec.speed)
+                plan.append((t, {**ev, "t_ns": t, "gpu_uuid": p.gpu_uuid}))
+        plan.sort(key=lambda x: x[0])
+        return plan
+
+    def play(self, outbox: Outbox, echo) -> int:
+        """Send the plan at its times. Returns the number of step ends sent."""
+        held = {}
+        for c in self.captures.values():
+            held[c.name] = max((e["step"] for e in c.events), default=0)
+        if self.steps is not None and self.steps > max(held.values(), default=0):
+            echo(
+                f"note: --steps {self.steps}, but the capture(s) hold "
+                + ", ".join(f"{n} steps ({name})" for name, n in held.items())
+                + ": every recorded step is played"
+            )
+        plan = self.plan()
+        if not plan:
+            raise StepmemError("the replayed captures hold no step events")
+        done = 0
+        for t, ev in plan:
+            delay = (t - time.monotonic_ns()) / 1e9
+            if delay > 0:
+                time.sleep(delay)
+            outbox.put(StepEvent.from_dict(ev))
+            outbox.maybe_flush()
+            if ev["kind"] == "end":
+                done += 1
+                if done % max(1, len(self.placed)) == 0:
+                    echo(f"  replayed step {ev['step']}")
+        outbox.flush()
+        if outbox.dropped:
+            echo(
+                f"warning: {sum(outbox.dropped.values())} events could not be sent: "
+                f"{dict(outbox.dropped)}"
+            )
+        return done

@@ -1,0 +1,246 @@
+"""What a run runs while its samplers sample, behind one interface: a built-in workload in this
+process (:class:`LiveRunner`), the same in a Ray Train ``TorchTrainer`` (:class:`TrainRunner`), a
+user's script (:class:`ScriptRunner`), or the recorded steps of captures (:class:`ReplayRunner`).
+
+Each makes the outbox its step events leave by and runs to the end, returning a summary for the
+run store. A runner's exception is the workload's (``fails_as_workload``: kept, reported, the job
+fails with exit 1) except a replay's, which is stepmem's own.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+
+import workloads
+from collector.probe.core import Outbox
+
+if TYPE_CHECKING:
+    from collector.backends import BackendSpec
+    from collector.placement import PlacedSampler
+    from collector.settings import JobOptions
+
+__all__ = ["LiveRunner", "ReplayRunner", "Runner", "ScriptRunner", "TrainRunner", "runner_for"]
+
+
+class Runner(Protocol):
+    fails_as_workload: bool
+
+    def outbox(self, placed: list[PlacedSampler]) -> Outbox:
+        """Where step events go: a probe's batches to its node's samplers."""
+        ...
+
+    def run(self, outbox: Outbox, echo) -> dict[str, Any]:
+        """Run to the end; the summary goes into the run store's ``workload_summary``."""
+        ...
+
+
+def _probe_outbox(placed: list[PlacedSampler]) -> Outbox:
+    """A live probe batches and finds the sampler of (its node, its GPU) by name."""
+    from collector.lookup import SamplerLookup
+
+    return Outbox(SamplerLookup(), batch_max=64, flush_interval_s=0.5)
+
+
+class LiveRunner:
+    """A built-in workload (``finetune``, ``spiky``, ``patterns``) in this process, under a probe
+    that sends through the job's outbox."""
+
+    fails_as_workload = True
+
+    def __init__(self, opts: JobOptions) -> None:
+        self.opts = opts
+
+    outbox = staticmethod(_probe_outbox)
+
+    def run(self, outbox: Outbox, echo) -> dict[str, Any]:
+        from collector.probe.core import StepProbe
+
+        wl, args = workloads.parse(self.opts.workload, self.opts.workload_args)
+        probe = StepProbe(outbox=outbox)
+        summary = workloads.run(wl, args, probe)
+        summary["probe_cost_ns"] = probe.cost_ns
+        summary["probe_devices"] = [str(d) for d in probe.devices]
+        summary["probe_dropped"] = dict(probe.outbox.dropped)
+        echo(f"workload {self.opts.workload} done: {len(summary['step_times_s'])} steps")
+        return summary
+
+
+class ScriptRunner:
+    """A user's training script, run as ``python SCRIPT ARGS`` would run it, in this process,
+    once the samplers are placed. Its own probe (``StepMemCallback`` or ``StepProbe``) finds
+    them by name; the job collects the step records, writes the store and prints the report."""
+
+    fails_as_workload = True
+
+    def __init__(self, opts: JobOptions) -> None:
+        self.script, self.args = opts.script, list(opts.workload_args)
+
+    outbox = staticmethod(_probe_outbox)
+
+    def run(self, outbox: Outbox, echo) -> dict[str, Any]:
+        import runpy
+        import sys
+
+        argv, sys.argv = sys.argv, [str(self.script), *self.args]
+        t0 = time.monotonic()
+        try:
+            runpy.run_path(str(self.script), run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise RuntimeError(f"{self.script} exited with status {exc.code}") from None
+        finally:
+            sys.argv = argv
+        seconds = time.monotonic() - t0
+        echo(f"script {self.script} done in {seconds:.1f} s")
+        return {"script": str(self.script), "args": self.args, "seconds": seconds}
+
+
+@ray.remote(num_cpus=0)
+class _Summaries:
+    """Where Ray Train workers leave their summaries for the driver (Ray Train 2 keeps reported
+    metrics only with checkpoints, which would need storage shared by every node)."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, dict[str, Any]] = {}
+
+    def put(self, rank: int, summary: dict[str, Any]) -> None:
+        self.by_rank[rank] = summary
+
+    def get(self) -> dict[int, dict[str, Any]]:
+        return self.by_rank
+
+
+def _train_worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: the workload under its own probe, which finds this node's sampler
+    for the worker's GPU by name. Leaves its step count and step times for the driver."""
+    import ray.train
+
+    import workloads
+    from collector.probe.core import StepProbe
+
+    wl, args = workloads.parse(config["workload"], config["args"])
+    probe = StepProbe(gpu_uuids=config.get("gpu_uuids"))
+    summary = workloads.run(wl, args, probe)
+    rank = ray.train.get_context().get_world_rank()
+    box = ray.get_actor(config["summaries"], namespace="stepmem")
+    out = {
+        "steps": len(summary["step_times_s"]),
+        "step_times_s": summary["step_times_s"],
+        "probe_sent": probe.outbox.sent,
+        "probe_dropped": dict(probe.outbox.dropped),
+        "probe_cost_ns": list(probe.cost_ns),
+    }
+    ray.get(box.put.remote(rank, out), timeout=60)  # once, after training: not on its path
+
+
+class TrainRunner:
+    """The workload in a Ray Train ``TorchTrainer`` with ``opts.train_workers`` workers, one GPU
+    each (``use_gpu``); ``gpu_uuids`` maps a CPU worker's device to a (replayed) GPU in tests.
+    Each worker's own probe sends to its node's samplers; the job's outbox carries nothing."""
+
+    fails_as_workload = True
+
+    def __init__(
+        self,
+        opts: JobOptions,
+        run_id: str = "run",
+        use_gpu: bool = True,
+        gpu_uuids: dict[Any, str] | None = None,
+    ) -> None:
+        self.opts, self.run_id, self.use_gpu, self.gpu_uuids = opts, run_id, use_gpu, gpu_uuids
+
+    outbox = staticmethod(_probe_outbox)
+
+    def run(self, outbox: Outbox | None, echo) -> dict[str, Any]:
+        import tempfile
+        import uuid
+
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        opts = self.opts
+        workloads.parse(opts.workload, opts.workload_args)  # bad input fails here, not in a worker
+        name = f"stepmem-train-summaries-{uuid.uuid4().hex[:12]}"
+        box = _Summaries.options(name=name, namespace="stepmem").remote()
+        storage = (
+            opts.store / self.run_id / "train"
+            if opts.store is not None
+            else Path(tempfile.mkdtemp(prefix="stepmem-train-"))
+        )
+        trainer = TorchTrainer(
+            _train_worker,
+            train_loop_config={
+                "workload": opts.workload,
+                "args": list(opts.workload_args),
+                "gpu_uuids": self.gpu_uuids,
+                "summaries": name,
+            },
+            scaling_config=ScalingConfig(num_workers=opts.train_workers, use_gpu=self.use_gpu),
+            run_config=RunConfig(storage_path=str(storage.resolve()), name="ray-train"),
+        )
+        echo(
+            f"Ray Train: {opts.train_workers} worker(s), "
+            f"{'one GPU each' if self.use_gpu else 'CPU'}"
+        )
+        try:
+            trainer.fit()
+            by_rank = ray.get(box.get.remote(), timeout=60)
+        finally:
+            ray.kill(box)
+        first = by_rank.get(0, {})
+        echo(
+            f"workload {opts.workload} done in Ray Train: "
+            + ", ".join(f"rank {r} {s['steps']} steps" for r, s in sorted(by_rank.items()))
+        )
+        return {
+            "train_workers": opts.train_workers,
+            "step_times_s": first.get("step_times_s", []),
+            "probe_cost_ns": first.get("probe_cost_ns", []),
+            "probe_dropped": first.get("probe_dropped", {}),
+            "probe_sent": first.get("probe_sent"),
+            "workers": {
+                str(r): {"steps": s["steps"], "probe_sent": s["probe_sent"]}
+                for r, s in by_rank.items()
+            },
+        }
+
+
+class ReplayRunner:
+    """The recorded steps of the replayed captures, sent at their recorded times (see
+    :class:`collector.replay_driver.ReplayDriver`). Replayed GPUs live on every node and this
+    process plays them all: events go one by one to their samplers by UUID, not to "the sampler
+    of this GPU on this node" as a probe finds its own."""
+
+    fails_as_workload = False
+
+    def __init__(self, spec: BackendSpec, placed: list[PlacedSampler], steps: int | None) -> None:
+        from collector.replay_driver import ReplayDriver
+
+        self.driver = ReplayDriver(spec, placed, steps)
+
+    def outbox(self, placed: list[PlacedSampler]) -> Outbox:
+        return Outbox(
+            {p.gpu_uuid: p.handle for p in placed}.get, batch_max=1, flush_interval_s=0.05
+        )
+
+    def run(self, outbox: Outbox, echo) -> dict[str, Any]:
+        self.driver.align()
+        self.driver.play(outbox, echo)
+        return {}
+
+
+def runner_for(
+    opts: JobOptions, spec: BackendSpec, placed: list[PlacedSampler], run_id: str
+) -> Runner:
+    """The runner for ``opts`` (``run_id``: the run's, for a Ray Train run's own storage)."""
+    if spec.kind == "replay":
+        return ReplayRunner(spec, placed, opts.steps)
+    if opts.script is not None:
+        return ScriptRunner(opts)
+    if opts.train_workers:
+        return TrainRunner(opts, run_id)
+    return LiveRunner(opts)

@@ -1,0 +1,161 @@
+"""The Ray side of a run's lifetime: connecting to a cluster or starting one of our own on
+loopback, signals while a run is on, and stopping what was started however the run ends.
+
+:class:`RaySession` is the one place that owns it: ``with RaySession(address, echo):`` connects
+(or starts a local cluster), turns SIGTERM into the Ctrl-C path and, on the way out, stops a local
+cluster (and reaps what Ray leaves behind) and gives the caller its signal handlers back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import Any
+
+import ray
+
+__all__ = [
+    "RaySession",
+    "connect_ray",
+    "is_loopback_address",
+    "loopback_only_ray",
+    "start_local_ray",
+    "stop_local_ray",
+    "terminate_as_interrupt",
+]
+
+
+def terminate_as_interrupt(echo=print) -> None:
+    """SIGTERM (``ray job stop``, a scheduler's kill) ends the run like Ctrl-C: samplers stopped,
+    the run store flushed and marked ``interrupted``. Only the first SIGINT or SIGTERM does: the
+    ones that follow while the run stops (a user pressing Ctrl-C again) are answered with a line
+    and otherwise ignored, so the flush and Ray's shutdown are not cut short into tracebacks and
+    orphaned processes. SIGKILL still ends it at once (and :mod:`collector.reaper` removes a
+    local cluster's processes then)."""
+    stopping = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt(f"signal {signum}")
+        echo(
+            "stepmem: already stopping (stopping samplers, flushing the run store, stopping Ray); "
+            "kill -9 abandons the flush"
+        )
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def loopback_only_ray() -> None:
+    """Keep a single-machine Ray cluster that this process starts on 127.0.0.1. Ray replaces
+    127.0.0.1 by the machine's outward address (its "remotely reachable" IP) unless multi-node
+    clusters are switched off, which it reads from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` at
+    import (for this process) and in every process it starts (from the environment)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read when the node address is resolved
+    except (ImportError, AttributeError):  # another Ray: the environment variable still holds
+        pass
+
+
+def is_loopback_address(address: str | None) -> bool:
+    """Whether a Ray address (``127.0.0.1:6379``, ``ray://localhost:10001``,
+    ``http://[::1]:8265``) names this machine's loopback interface."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    if not address or address in ("auto", "local"):
+        return False
+    host = urlsplit(address if "://" in address else f"//{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect_ray(address: str | None) -> None:
+    """Connect to an existing cluster at ``address`` (else ``RAY_ADDRESS``), keeping a loopback
+    address as given: Ray would otherwise swap 127.0.0.1 for the machine's outward address and
+    wait for a node there that never answers."""
+    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+        loopback_only_ray()
+    ray.init(address=address, namespace="stepmem")
+
+
+def _init_ray(address: str | None) -> bool:
+    """Connect to the cluster (``address``, else ``RAY_ADDRESS``), or start a local one on
+    loopback. Returns True when this process started a local cluster."""
+    if ray.is_initialized():
+        return False
+    if address or os.environ.get("RAY_ADDRESS"):
+        connect_ray(address)
+        return False
+    start_local_ray()
+    return True
+
+
+def start_local_ray(**options: Any) -> None:
+    """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
+    without a cluster, the benchmarks). ``options`` go to ``ray.init``. Its processes go with
+    this one however it ends (:func:`collector.reaper.guard`)."""
+    from collector import reaper
+
+    loopback_only_ray()
+    reaper.guard()
+    ray.init(
+        # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
+        # (a `ray start` head that may be long gone)
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        namespace="stepmem",
+        **{"configure_logging": False, **options},
+    )
+
+
+def stop_local_ray() -> None:
+    """Shut down the local cluster :func:`start_local_ray` started, then remove any of its
+    processes still there (Ray's agents outlive ``ray.shutdown()`` by up to a minute)."""
+    from collector import reaper
+
+    ray.shutdown()
+    token = os.environ.get(reaper.MARK)  # set by reaper.guard() before the cluster started
+    if token:
+        reaper.reap(token)
+
+
+class RaySession:
+    """Ray for the length of one run. Entering connects to ``address`` (else ``RAY_ADDRESS``) or
+    starts a local cluster on loopback (``local`` is then True) and makes SIGTERM end the run like
+    Ctrl-C (installed after ``ray.init``, which sets a SIGTERM handler of its own). Leaving stops a
+    local cluster now, not in Ray's atexit hook that a signal can cut, and restores the caller's
+    SIGINT/SIGTERM handlers."""
+
+    def __init__(self, address: str | None, echo=print) -> None:
+        self.address, self.echo = address, echo
+        self.local = False
+        self._handlers: dict[int, Any] = {}
+
+    def __enter__(self) -> RaySession:
+        self._handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.local = _init_ray(self.address)
+        terminate_as_interrupt(self.echo)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.local:
+                stop_local_ray()
+        finally:
+            for sig, h in self._handlers.items():
+                # not the main thread, or a handler that is not Python's: leave it
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(sig, h)
