@@ -28,7 +28,49 @@ from collector.settings import Rate
 
 __all__ = ["record"]
 
-PROCESS_SNAPSHOT_S = 0.5
+PROCESS_SNAPSHOT_S = 0.5  # a per-process snapshot this often, and at every step mark
+MARK_POLL_S = 0.02  # how often the command's new step marks are looked for
+
+
+class _MarkWatcher:
+    """The newest step mark the recorded command appended to its events file since the last
+    look, as ``[step, kind]`` (None: none new). Reads only what was appended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.tail = path, 0, b""
+
+    def new(self) -> list[Any] | None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return None
+        self.offset += len(chunk)
+        lines = (self.tail + chunk).split(b"\n")
+        self.tail = lines.pop()
+        newest = None
+        for line in lines:
+            try:
+                ev = json.loads(line)
+                newest = [int(ev["step"]), str(ev["kind"])]
+            except (ValueError, KeyError, TypeError):
+                continue
+        return newest
+
+
+def _process_snapshot(device: Any, t0: int, at: list[Any] | None) -> dict[str, Any] | None:
+    try:
+        found = device.processes()
+    except NvmlError:
+        return None  # counted by the funnel; a capture without process lists is still a capture
+    snap: dict[str, Any] = {
+        "t_ns": time.monotonic_ns() - t0,
+        "procs": [[p.pid, p.used_bytes, p.name] for p in found],
+    }
+    if at is not None:
+        snap["at"] = at
+    return snap
 
 
 def _capacity(rate: Rate, seconds: float) -> int:
@@ -88,21 +130,19 @@ def record(
         child = subprocess.Popen(command, env=env) if command else None
         deadline = time.monotonic() + seconds
         rc = 0
+        marks = _MarkWatcher(events_path)
+        next_snap = 0.0
         while time.monotonic() < deadline:
-            try:
-                snap = device.processes()
-                procs.append(
-                    {
-                        "t_ns": time.monotonic_ns() - t0,
-                        "procs": [[p.pid, p.used_bytes] for p in snap],
-                    }
-                )
-            except NvmlError:
-                pass  # counted by the funnel; a capture without process lists is still a capture
+            at = marks.new()  # a step mark since the last look: a snapshot for it now
+            if at is not None or time.monotonic() >= next_snap:
+                snap = _process_snapshot(device, t0, at)
+                if snap is not None:
+                    procs.append(snap)
+                next_snap = time.monotonic() + PROCESS_SNAPSHOT_S
             if child is not None and child.poll() is not None:
                 rc = child.returncode
                 break
-            time.sleep(PROCESS_SNAPSHOT_S)
+            time.sleep(MARK_POLL_S)
         else:
             if child is not None:
                 child.terminate()

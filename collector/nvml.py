@@ -278,7 +278,24 @@ class LiveDevice:
         """Per-process used memory (compute processes). NVML's per-process figure does not count
         CUDA managed memory resident on the device; the device figure does."""
         procs = call("nvmlDeviceGetComputeRunningProcesses", self._handle)
-        return [ProcessMemory(pid=int(p.pid), used_bytes=p.usedGpuMemory) for p in procs]
+        return [
+            ProcessMemory(pid=int(p.pid), used_bytes=p.usedGpuMemory, name=process_name(p.pid))
+            for p in procs
+        ]
+
+
+def process_name(pid: int, limit: int = 80) -> str:
+    """A process's command line from ``/proc`` (``python -m workloads.patterns ...``), shortened
+    to ``limit`` characters; empty when it cannot be read (another PID namespace, gone)."""
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return ""
+    words = [a.decode(errors="replace") for a in args if a]
+    if words:
+        words[0] = words[0].rsplit("/", 1)[-1]
+    return " ".join(" ".join(words).split())[:limit]  # one line: `python -c` code has newlines
 
 
 def open_reader(handle: Any, resolve: Callable[[str], Any] | None = None) -> _MemoryReader:

@@ -39,6 +39,7 @@ class ProcessMemory:
 
     pid: int
     used_bytes: int | None
+    name: str = ""  # the process's command line, shortened (empty where it cannot be read)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,9 @@ class StepRecord:
     phases: list[dict[str, Any]] = field(default_factory=list)
     ledger: dict[str, int] = field(default_factory=dict)
     error: str = ""
+    # NVML per-process memory read when the step was joined (shortly after its end):
+    # {"t_ns", "device_used", "procs": [[pid, used_bytes, name], ...]}; {} where not read
+    processes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:

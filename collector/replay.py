@@ -7,8 +7,9 @@ A capture is one Parquet file (zstd) per recorded GPU:
 * schema metadata key ``stepmem.capture``: JSON with ``format`` (1), ``device`` (uuid, index,
   name, total_bytes, driver, memory_info_version), ``rate_hz`` requested, ``command`` (the exact
   command that recorded it), ``recorded_at``, ``processes`` (NVML per-process snapshots:
-  ``[{"t_ns", "procs": [[pid, used_bytes], ...]}]``), ``events`` (the step probe's events, with
-  ``t_ns`` on the capture's clock) and free-form ``notes``.
+  ``[{"t_ns", "procs": [[pid, used_bytes, name], ...]}]``, ``name`` since the accounting
+  captures; a snapshot taken at a step mark also has ``"at": [step, kind]``), ``events`` (the
+  step probe's events, with ``t_ns`` on the capture's clock) and free-form ``notes``.
 
 :class:`ReplayBackend` plays captures through the same interface as
 :class:`collector.nvml.LiveBackend`: ``read()`` returns the value *in force* at the replay clock's
@@ -336,6 +337,7 @@ class ReplayDevice:
         )
 
     def processes(self) -> list[ProcessMemory]:
+        """The per-process snapshot in force now (the last one taken at or before)."""
         snaps = self.capture.processes
         if not snaps:
             return []
@@ -344,7 +346,26 @@ class ReplayDevice:
         for snap in snaps:
             if snap["t_ns"] <= pos:
                 chosen = snap
-        return [ProcessMemory(pid=int(pid), used_bytes=used) for pid, used in chosen["procs"]]
+        return self._procs(chosen, pos, self._clock())
+
+    def processes_near(self, t_ns: int) -> list[ProcessMemory]:
+        """The per-process snapshot taken nearest monotonic ``t_ns`` (a step's end: captures
+        take one a few ms after each step mark)."""
+        snaps = self.capture.processes
+        if not snaps:
+            return []
+        pos = self.position_ns(t_ns)
+        chosen = min(snaps, key=lambda s: abs(s["t_ns"] - pos))
+        return self._procs(chosen, pos, t_ns)
+
+    def _procs(self, chosen: dict[str, Any], pos: int, t_ns: int) -> list[ProcessMemory]:
+        # when the snapshot was taken, on this process's monotonic clock (capture position
+        # ``pos`` is monotonic ``t_ns``)
+        self.processes_t_ns = t_ns - int((pos - chosen["t_ns"]) / self.speed)
+        return [
+            ProcessMemory(pid=int(p[0]), used_bytes=p[1], name=str(p[2]) if len(p) > 2 else "")
+            for p in chosen["procs"]
+        ]
 
 
 class ReplayBackend:

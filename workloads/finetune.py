@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     timer = _StepTimer()
     callbacks: list[Any] = [timer.callback]
     if probe is not None:
-        callbacks.insert(0, StepMemCallback(probe))
+        callbacks.insert(0, StepMemCallback(probe, watch=not getattr(args, "no_watch", False)))
     with tempfile.TemporaryDirectory(prefix="stepmem-finetune-") as out:
         targs = TrainingArguments(
             output_dir=out,
@@ -203,6 +203,12 @@ def parser() -> argparse.ArgumentParser:
         help="'auto' spreads the model over every visible GPU (accelerate)",
     )
     p.add_argument("--no-probe", action="store_true", help="run without stepmem's probe")
+    p.add_argument(
+        "--no-watch",
+        action="store_true",
+        help="the probe without the model and optimizer: no ledger (a probe that never calls "
+        "watch())",
+    )
     p.add_argument("--summary", type=Path, help="write the run summary (JSON) here")
     return p
 

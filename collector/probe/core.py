@@ -63,6 +63,25 @@ CPU = "cpu"
 EVENTS_KEPT = 200_000
 RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
+HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
+HISTORY_STEPS = 3  # steps recorded with allocation stacks when a history folder is given
+HISTORY_MAX_ENTRIES = 200_000  # trace entries PyTorch keeps (a ring); older ones are dropped
+
+
+def allocator_mode() -> dict[str, int]:
+    """How this process's CUDA caching allocator is set up, from the environment PyTorch reads:
+    caching off (``PYTORCH_NO_CUDA_MEMORY_CACHING``: every free goes back to the driver and the
+    allocator's statistics stay 0) and expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF`` with ``expandable_segments:True``)."""
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    conf = ",".join(os.environ.get(k, "") for k in names)
+    conf = conf.replace(" ", "").lower()
+    no_cache = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "")
+    return {
+        "process_pid": os.getpid(),
+        "allocator_caching_disabled": int(no_cache not in ("", "0")),
+        "allocator_expandable_segments": int("expandable_segments:true" in conf),
+    }
 
 
 def _dig(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -207,6 +226,10 @@ class Outbox:
             self._pending.setdefault(ev.gpu_uuid, []).append(d)
             if self._file is not None:
                 self._unwritten.append(d)
+        if self._file is not None:
+            # under `stepmem capture` the sender writes each mark at once: the capture takes
+            # its per-process snapshot at the mark (an Event.set here, the write on the sender)
+            self._wake.set()
         return d
 
     def take_events(self) -> list[dict[str, Any]]:
@@ -319,7 +342,10 @@ class StepProbe:
     :meth:`watch` to give it the model and optimizer for the ledger. ``gpu_uuids`` overrides the
     UUID each device's events are addressed to (used to point a CPU-only run at replayed GPUs).
     ``events_file`` (default: the ``STEPMEM_EVENTS`` environment variable) receives every event
-    as a JSON line.
+    as a JSON line. ``history_dir`` (default: ``STEPMEM_HISTORY_DIR``; none: off) receives
+    PyTorch's allocation history with Python stacks for the first ``history_steps`` steps and a
+    snapshot on out-of-memory (:class:`_History`). Each begin event also carries the process's
+    pid and the allocator's mode (:func:`allocator_mode`).
     """
 
     def __init__(
@@ -330,10 +356,15 @@ class StepProbe:
         reset_peaks: bool = True,
         gpu_uuids: dict[Any, str] | None = None,
         events_file: str | Path | None = None,
+        history_dir: str | Path | None = None,
+        history_steps: int = HISTORY_STEPS,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         if events_file is None:
             events_file = os.environ.get(EVENTS_ENV) or None
+        if history_dir is None:
+            history_dir = os.environ.get(HISTORY_ENV) or None
+        self.history = _History(Path(history_dir), history_steps) if history_dir else None
         self.outbox = outbox or Outbox(_RaySamplers(), events_file=events_file)
         self.reset_peaks = reset_peaks
         self.model: Any = None
@@ -351,6 +382,7 @@ class StepProbe:
         self._step_cost = 0
         self._begin_t = 0
         self._baseline: dict[Any, int] = {}
+        self._mode: dict[str, int] = {}
         self._ledger_cache = LedgerCache()
 
     # -- set-up ------------------------------------------------------------------------------
@@ -385,6 +417,9 @@ class StepProbe:
             # CUDA-context baseline: device memory in use that the allocator does not hold.
             free, total = torch.cuda.mem_get_info(d)
             self._baseline[d] = (total - free) - torch.cuda.memory_reserved(d)
+        self._mode = allocator_mode()
+        if self.history is not None:
+            self.history.attach_oom_observer(lambda: self.step_index)
 
     @property
     def devices(self) -> list[Any]:
@@ -392,6 +427,9 @@ class StepProbe:
             self._setup()
         assert self._devices is not None
         return self._devices
+
+    def _cuda_ready(self) -> bool:
+        return bool(self.devices) and self._cuda  # set-up first: CUDA found or not
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -442,6 +480,8 @@ class StepProbe:
         for d in self.devices:
             t = self._clock()
             torch_stats = self._read(d)
+            if kind == "begin" and torch_stats:
+                torch_stats.update(self._mode)
             led = ledgers.get(d, {})
             if led and "allocated_bytes.all.current" in torch_stats:
                 led["other_allocated"] = torch_stats["allocated_bytes.all.current"] - (
@@ -470,6 +510,8 @@ class StepProbe:
         self.step_index = step
         self._step_cost = 0
         self._begin_t = self._clock()
+        if self.history is not None and self._cuda_ready():
+            self.history.begin(step)
         self._mark("begin", step)
 
     def phase(self, name: str) -> None:
@@ -479,6 +521,8 @@ class StepProbe:
             self.errors["phase_outside_step"] += 1
             return
         self._mark("phase", self.step_index, name)
+        if self.history is not None:
+            self.history.mark(self.step_index, "phase", name)
 
     def end(self) -> None:
         """Mark the end of the current step, take the ledger, and send what is due."""
@@ -486,6 +530,8 @@ class StepProbe:
             self.errors["end_without_begin"] += 1
             return
         self._mark("end", self.step_index)
+        if self.history is not None:
+            self.history.end(self.step_index)
         self.step_index = None
         t0 = time.perf_counter_ns()
         self.outbox.maybe_flush()
@@ -518,3 +564,91 @@ class StepProbe:
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""
         self.outbox.close()
+
+
+class _History:
+    """Which line allocated it: PyTorch's allocation history with Python stacks
+    (``torch.cuda.memory._record_memory_history``) for the first ``steps`` steps, saved as one
+    snapshot when they end (``history-steps-A-B.pickle``, open it in PyTorch's memory_viz) with
+    the wall-clock time of each step mark (``marks.json``), so each allocation is placed in its
+    step and phase; and a snapshot when the allocator runs out of memory (``oom-step-N.pickle``).
+    Recording then stops: the steps after the first ``steps`` pay nothing. Never raises into
+    training; what failed is counted in ``errors``."""
+
+    def __init__(self, folder: Path, steps: int) -> None:
+        self.folder, self.steps = folder, max(0, steps)
+        self.first: int | None = None
+        self.recording = False
+        self.marks: list[dict[str, Any]] = []
+        self.saved: list[str] = []
+        self.errors: Counter[str] = Counter()
+        self.cost_ns = 0  # time spent starting, snapshotting and stopping (not per allocation)
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return fn()
+        except Exception as exc:  # history is an aid; training goes on without it
+            self.errors[f"{what}:{type(exc).__name__}"] += 1
+            log.debug("memory history %s failed: %s", what, exc)
+            return None
+        finally:
+            self.cost_ns += time.perf_counter_ns() - t0
+
+    def begin(self, step: int) -> None:
+        if self.first is None and self.steps:
+            self.first = step
+
+            def start() -> None:
+                import torch
+
+                self.folder.mkdir(parents=True, exist_ok=True)
+                torch.cuda.memory._record_memory_history(
+                    enabled="all", context="all", stacks="python", max_entries=HISTORY_MAX_ENTRIES
+                )
+                self.recording = True
+
+            self._guard("start", start)
+        self.mark(step, "begin")
+
+    def mark(self, step: int, kind: str, phase: str = "") -> None:
+        if self.recording:
+            self.marks.append(
+                {"step": step, "kind": kind, "phase": phase, "wall_us": time.time_ns() // 1000}
+            )
+
+    def end(self, step: int) -> None:
+        self.mark(step, "end")
+        if self.recording and self.first is not None and step >= self.first + self.steps - 1:
+            name = f"history-steps-{self.first}-{step}.pickle"
+            self._guard("snapshot", lambda: self._save(name))
+            self._guard("stop", self._stop)
+
+    def _stop(self) -> None:
+        import torch
+
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
+
+    def _save(self, name: str) -> None:
+        import pickle
+
+        import torch
+
+        snap = torch.cuda.memory._snapshot()
+        with open(self.folder / name, "wb") as f:
+            pickle.dump(snap, f)
+        (self.folder / "marks.json").write_text(json.dumps(self.marks))
+        self.saved.append(name)
+
+    def attach_oom_observer(self, current_step: Callable[[], int | None]) -> None:
+        def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+            step = current_step()
+            self._guard("oom", lambda: self._save(f"oom-step-{step}.pickle"))
+
+        def attach() -> None:
+            import torch
+
+            torch._C._cuda_attach_out_of_memory_observer(observer)
+
+        self._guard("attach", attach)

@@ -25,16 +25,20 @@ __all__ = ["StepMemCallback"]
 
 
 class StepMemCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[StepMemCallback()])``. Reads every CUDA device the model uses."""
+    """``Trainer(..., callbacks=[StepMemCallback()])``. Reads every CUDA device the model uses.
+    ``watch=False`` leaves the model and optimizer alone: no ledger (what a probe of your own
+    that never calls ``watch()`` records)."""
 
-    def __init__(self, probe: StepProbe | None = None) -> None:
+    def __init__(self, probe: StepProbe | None = None, watch: bool = True) -> None:
         self.probe = probe or StepProbe()
+        self.watch = watch
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.probe.watch(kwargs.get("model"), kwargs.get("optimizer"))
+        if self.watch:
+            self.probe.watch(kwargs.get("model"), kwargs.get("optimizer"))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.probe.optimizer is None and kwargs.get("optimizer") is not None:
+        if self.watch and self.probe.optimizer is None and kwargs.get("optimizer") is not None:
             self.probe.watch(optimizer=kwargs["optimizer"])
         self.probe.begin(state.global_step + 1)
 
