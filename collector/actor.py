@@ -55,7 +55,9 @@ class SamplerActor:
         self.device = spec.build(node_id).open(gpu_uuid)
         sampling = options.sampling
         self.sampler = Sampler(self.device, sampling.rate, capacity=sampling.capacity)
-        self.joiner = StepJoiner(self.sampler)
+        self.joiner = StepJoiner(self.sampler, processes=self._processes_now)
+        self.process_read_errors = 0
+        self._procs_cache: tuple[int, dict[str, Any]] | None = None
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
         self.labels = gpu_labels(node_id, self.device.info, options.run_id, options.workload)
@@ -85,6 +87,35 @@ class SamplerActor:
             target=self._join_loop, name="stepmem-join", daemon=True
         )
         self._join_thread.start()
+
+    def _processes_now(self, end_ns: int) -> dict[str, Any] | None:
+        """NVML per-process memory for the step that ended at ``end_ns``, with the device's used
+        memory at the same moment: live NVML is read now (when the step is joined, shortly after
+        its end; one reading serves every step of a poll), a replay gives the capture's snapshot
+        nearest the end. Never in the sampling loop."""
+        now = time.monotonic_ns()
+        cached = self._procs_cache
+        if cached is not None and now - cached[0] < 20_000_000 and self.device.backend == "nvml":
+            return cached[1]
+        try:
+            if hasattr(self.device, "processes_near"):
+                procs = self.device.processes_near(end_ns)
+            else:
+                procs = self.device.processes()
+        except Exception:  # an NVML error costs the accounting its split, nothing else
+            self.process_read_errors += 1
+            return None
+        # the device's used memory at the reading's time: now for live NVML; for a replay, when
+        # the capture's snapshot in force was taken
+        t = getattr(self.device, "processes_t_ns", None) or time.monotonic_ns()
+        w = self.sampler.ring.window(t - 200_000_000, t)
+        snap = {
+            "t_ns": t,
+            "device_used": int(w.used[-1]) if len(w) else None,
+            "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
+        }
+        self._procs_cache = (now, snap)
+        return snap
 
     def _join_loop(self) -> None:
         while not self._stop.wait(JOIN_INTERVAL_S):

@@ -19,8 +19,8 @@ in order:
    A jump that neither explains is attributed to the allocator (new segments, inactive split
    blocks), not to new state.
 3. **Memory outside the allocator** — non-torch memory at the end of the last step: managed
-   (paged) optimizer state when the ledger holds it, otherwise the CUDA context and other
-   libraries' allocations.
+   (paged) optimizer state when the ledger holds it; otherwise split by NVML's per-process
+   readings, or said to be unsplit when there are none.
 4. **Cache and fragmentation** — reserved − allocated at the last step's end and peak, inactive
    split bytes, allocator retries.
 5. **Transients** — steps whose NVML within-step peak exceeds their end-of-step reading by more
@@ -29,6 +29,10 @@ in order:
    allocator counted an OOM or that failed with ``OutOfMemoryError``, with its NVML peak, the
    previous step's, and what the allocator held when it failed; a step that failed otherwise,
    or was interrupted (SIGTERM, Ctrl-C, ``ray job stop``).
+7. **Accounting** — the allocator's mode (caching off, expandable segments); every byte of the
+   last step's end by the identity of :mod:`collector.accounting`; each step-to-step change of
+   a component outside torch (this process, other processes by pid and name, memory no process
+   is charged for). Rule 3 uses the same split and names no cause it has no reading for.
 """
 
 from __future__ import annotations
@@ -162,6 +166,135 @@ def _unmeasured(recs: list[dict[str, Any]]) -> Finding | None:
         "errors. Their NVML figures are unknown, not zero; the findings below leave them out.",
         {"steps": len(missing), "of": len(recs), "gaps": why},
     )
+
+
+def _outside(ended: list[dict[str, Any]], nt: int, managed: int) -> Finding:
+    """Rule 3 without a managed ledger: split by NVML's per-process readings when there are
+    some; otherwise one figure, said to be unsplit (no cause is named without evidence)."""
+    from collector.accounting import accounts
+
+    accs = accounts(ended)
+    a = accs[-1] if accs and accs[-1].step == ended[-1]["step"] else None
+    nums: dict[str, Any] = {"nontorch": nt, "managed": managed}
+    if a is None or a.unsplit is not None:
+        return Finding(
+            "nontorch",
+            f"{g(nt)} of NVML used at step end is outside the torch allocator beyond what the "
+            "probe measured before training (the CUDA context, other processes then); without "
+            "NVML per-process readings it cannot be split into this process's own other "
+            "allocations (NCCL, cuBLAS workspaces, raw cudaMalloc), other processes and "
+            "managed memory (a paged optimizer's state). Runs from captures that hold "
+            "per-process snapshots, or live on a driver whose NVML lists processes, split it.",
+            nums,
+        )
+    others = ", ".join(f"pid {pid} {name[:40]!r} {g(b)}" for pid, name, b in a.others)
+    nums.update(outside=a.outside, others=a.other_processes, no_process=a.no_process)
+    return Finding(
+        "nontorch",
+        f"At the end of step {a.step}, {g(a.device_used - a.reserved - a.baseline)} of NVML "
+        f"used is outside the torch allocator beyond this process's baseline ({g(a.baseline)}: "
+        f"CUDA context, libraries loaded before step 1). By NVML's per-process readings: "
+        f"{g(a.outside or 0)} in this process outside torch (NCCL, cuBLAS, raw cudaMalloc, "
+        f"another library), {g(a.other_processes)} in other processes"
+        + (f" ({others})" if others else "")
+        + f", {g(a.no_process or 0)} charged to no process (CUDA managed/UVM memory such as "
+        "a paged optimizer's state, which NVML's per-process figure leaves out).",
+        nums,
+    )
+
+
+def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
+    """Rule 7: the allocator's mode, every byte of the last step's end, and each step-to-step
+    change of what lies outside torch, from the accounting identity
+    (:mod:`collector.accounting`)."""
+    from collector.accounting import accounts, allocator_mode, changes
+
+    out = []
+    mode = allocator_mode(recs)
+    if mode["caching_disabled"]:
+        why = (
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set in the run's environment"
+            if mode["from_environment"]
+            else "torch's statistics stay 0 while NVML moves"
+        )
+        out.append(
+            Finding(
+                "allocator_mode",
+                f"The CUDA caching allocator is off ({why}): every tensor goes to and from the "
+                "driver, torch's reserved and allocated read 0, so the memory tensors use "
+                "counts as outside torch below and the torch columns say nothing.",
+                mode,
+            )
+        )
+    elif mode["expandable_segments"]:
+        out.append(
+            Finding(
+                "allocator_mode",
+                "The allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF): "
+                "reserved grows and shrinks in place, so fewer, larger segments and less "
+                "inactive split memory are expected.",
+                mode,
+            )
+        )
+    accs = accounts(recs)
+    if not accs:
+        return out
+    a = accs[-1]
+    live = ""
+    if a.live:
+        live = ": " + ", ".join(f"{k.replace('_', ' ')} {g(v)}" for k, v in a.live.items())
+    torch_part = (
+        f"torch reserved {g(a.reserved)} (live tensors {g(a.allocated)}{live}; cached-free "
+        f"{g(a.cached_free)}; inactive split {g(a.inactive_split)})"
+    )
+    if a.unsplit is not None:
+        rest = f"outside torch, unsplit {g(a.unsplit)} (no per-process readings)"
+    else:
+        rest = (
+            f"outside torch in this process {g(a.outside or 0)} + other processes "
+            f"{g(a.other_processes)} + no process (managed/UVM) {g(a.no_process or 0)} + "
+            f"remainder {g(a.remainder)}"
+            + (
+                f" (per-process read {a.read_after_ms:.0f} ms after the end mark)"
+                if a.read_after_ms is not None
+                else ""
+            )
+        )
+    out.append(
+        Finding(
+            "accounting",
+            f"Every byte at the end of step {a.step}: NVML used {g(a.device_used)} = baseline "
+            f"{g(a.baseline)} + {torch_part} + {rest}.",
+            {"step": a.step, **{k: v for k, v in a.components().items()}},
+        )
+    )
+    by_component: dict[str, list[dict[str, Any]]] = {}
+    for c in changes(accs):
+        if c["component"] != "torch reserved":  # rule 2 explains reserved's jumps
+            by_component.setdefault(c["component"], []).append(c)
+    unread = [x.step for x in accs if x.unsplit is not None]
+    gaps = ""
+    if unread and len(unread) < len(accs):
+        gaps = (
+            f"; no per-process reading describes the end of step(s) {_steps_text(unread)}, so "
+            "a change that falls there is not split"
+        )
+    for name, cs in by_component.items():
+        steps = ", ".join(
+            f"{'+' if c['delta'] > 0 else '−'}{g(abs(c['delta']))} at step {c['step']}"
+            + (f" ({'; '.join(c['who'])})" if c.get("who") else "")
+            for c in cs
+        )
+        out.append(
+            Finding(
+                "component_change",
+                f"{name[0].upper()}{name[1:]} changed from one step's end to the next: {steps} "
+                "(end of the step before to end of that step; torch reserved did not account "
+                f"for it){gaps}.",
+                {"component": name, "changes": cs},
+            )
+        )
+    return out
 
 
 def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
@@ -326,15 +459,8 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 )
             )
         else:
-            out.append(
-                Finding(
-                    "nontorch",
-                    f"{g(nt)} of NVML used at step end is outside the torch allocator "
-                    "beyond the CUDA context measured before training: other "
-                    "libraries' allocations (cuBLAS/cuDNN workspaces, NCCL).",
-                    {"nontorch": nt, "managed": managed},
-                )
-            )
+            out.append(_outside(ended, nt, managed))
+    out.extend(_accounting(recs))
     # 4. cache and fragmentation
     if has_torch:
         res, alloc = (

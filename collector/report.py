@@ -114,16 +114,18 @@ class Run:
 
 
 def _unflatten(row: dict[str, Any]) -> dict[str, Any]:
-    rec: dict[str, Any] = {"torch_end": {}, "ledger": {}}
+    rec: dict[str, Any] = {"torch_end": {}, "torch_begin": {}, "ledger": {}}
     for k, v in row.items():
         if isinstance(v, float) and math.isnan(v):
             continue
         if k.startswith("torch_end."):
             rec["torch_end"][k.removeprefix("torch_end.")] = int(v)
+        elif k.startswith("torch_begin."):
+            rec["torch_begin"][k.removeprefix("torch_begin.")] = int(v)
         elif k.startswith("ledger."):
             rec["ledger"][k.removeprefix("ledger.")] = int(v)
-        elif k == "phases":
-            rec["phases"] = json.loads(v)
+        elif k in ("phases", "processes"):
+            rec[k] = json.loads(v)
         else:
             v = v.item() if hasattr(v, "item") else v
             # an integer column with a missing value reads back as floats
@@ -220,7 +222,46 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
                     console.print(f"   {lead}")
     if len(run.gpus) > 1:
         _fleet(run, console)
+    if run.root is not None and (run.root / "history").is_dir():
+        _sites(run.root / "history", console)
     return console.export_text(), findings
+
+
+def _sites(folder: Path, console: Any, top: int = 3) -> None:
+    """Which lines allocated it: the probe's allocation history (first GPU of the process)."""
+    from collector import history
+
+    try:
+        doc = history.summary(folder, top=top)
+    except FileNotFoundError:  # recording started but its steps never ended
+        return
+    except (OSError, ValueError, EOFError, KeyError) as exc:
+        console.print(
+            f"[bold]Allocation sites[/bold]: the history in {folder} is unreadable ({exc})"
+        )
+        return
+    steps = doc["steps"]
+    if not steps:
+        return
+    console.print(
+        f"[bold]Allocation sites[/bold] (PyTorch's memory history, steps {steps[0]['step']}–"
+        f"{steps[-1]['step']}, {doc['trace_entries']:,} allocator events; open "
+        f"{folder}/*.pickle in https://pytorch.org/memory_viz)"
+    )
+
+    def fmt(rows: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{r['site']} {g(r['bytes'])} ({r['count']})" for r in rows) or "—"
+
+    for s in steps:
+        console.print(
+            f" • step {s['step']}: at its peak ({g(s['peak_bytes'])} traced, "
+            f"{s['peak_phase'].replace('_', '/')}): {fmt(s['at_peak'])}"
+        )
+        if s["kept_to_next"]:
+            console.print(
+                f"   allocated in step {s['step']}, still live at the end of step "
+                f"{s['step'] + 1}: {fmt(s['kept_to_next'])}"
+            )
 
 
 class _FleetRow(NamedTuple):

@@ -236,7 +236,18 @@ class RunSession:
             self.writer = RunWriter(opts.store / self.options.run_id, meta)
             self.drainer = _Drainer(self.writer, placed, self.outbox)
             echo(f"run store: {self.writer.root.resolve()}")
+            self._history_env()
         return self
+
+    def _history_env(self) -> None:
+        """A live run's probe (built-in workload or a script's own) records allocation history
+        for its first steps into the run store's ``history/`` unless ``STEPMEM_HISTORY_DIR``
+        says where (``""``: nowhere); restored when the run ends."""
+        from collector.probe.core import HISTORY_ENV
+
+        self._history_before = os.environ.get(HISTORY_ENV)
+        if self.spec.kind == "nvml" and self._history_before is None and self.writer is not None:
+            os.environ[HISTORY_ENV] = str((self.writer.root / "history").resolve())
 
     def run(self) -> None:
         """Run the runner; the workload's own exception is kept (:meth:`fail`), not raised."""
@@ -281,6 +292,10 @@ class RunSession:
         if self.refresher is not None:
             self.refresher.stop()
             write_targets(self.opts.targets, [])  # the run is over: no stale targets to alert on
+        from collector.probe.core import HISTORY_ENV
+
+        if getattr(self, "_history_before", None) is None:
+            os.environ.pop(HISTORY_ENV, None)
 
 
 def run_job(opts: JobOptions, echo=print) -> JobResult:

@@ -39,10 +39,15 @@ class Runner(Protocol):
 
 
 def _probe_outbox(placed: list[PlacedSampler]) -> Outbox:
-    """A live probe batches and finds the sampler of (its node, its GPU) by name."""
-    from collector.lookup import SamplerLookup
+    """A live probe batches and finds the sampler of (its node, its GPU) by name; under
+    ``stepmem capture`` its events also go to the capture's events file."""
+    import os
 
-    return Outbox(SamplerLookup(), batch_max=64, flush_interval_s=0.5)
+    from collector.lookup import SamplerLookup
+    from collector.probe.core import EVENTS_ENV
+
+    events_file = os.environ.get(EVENTS_ENV) or None
+    return Outbox(SamplerLookup(), batch_max=64, flush_interval_s=0.5, events_file=events_file)
 
 
 class LiveRunner:

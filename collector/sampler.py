@@ -29,7 +29,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -331,8 +331,12 @@ class StepJoiner:
     without a ``begin``) are counted in ``rejected``.
     """
 
-    def __init__(self, sampler: Sampler) -> None:
+    def __init__(
+        self, sampler: Sampler, processes: Callable[[int], dict[str, Any] | None] | None = None
+    ) -> None:
         self.sampler = sampler
+        # per-process readings for the records of one poll (the join thread, never the sampler's)
+        self._processes = processes
         # The newest RECORDS_KEPT records (≈ 1.5 kB each); the run store drains them long before.
         self.records: deque[StepRecord] = deque(maxlen=RECORDS_KEPT)
         self.joined = 0
@@ -378,6 +382,9 @@ class StepJoiner:
                     (ready if force or p[1].t_ns < newest else waiting).append(p)
                 self._pending = waiting
             out = [self.join(b, e, ph) for b, e, ph in ready]
+            if self._processes is not None:
+                for rec in out:  # a reading for each step's end (live: now, shared by the poll)
+                    rec.processes = self._processes(rec.end_ns) or {}
             self.records.extend(out)
             self.joined += len(out)
         return out

@@ -13,7 +13,8 @@ Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keep
 ``wall_offset_ns`` (wall = monotonic + offset). Step columns: ``gpu_uuid, step, begin_ns,
 end_ns, samples, gap, error, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
 nvml_reserved_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``, every
-``torch_end.<key>`` and ``ledger.<kind>`` flattened, and ``phases`` (JSON).
+``torch_end.<key>``, ``torch_begin.<key>`` and ``ledger.<kind>`` flattened, and ``phases`` and
+``processes`` (JSON).
 
 Written incrementally: each flush writes new part files, each one to a temporary name renamed
 into place, so a crash loses at most what arrived since the last flush and never leaves a torn
@@ -84,9 +85,12 @@ def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
     }
     for k, v in (rec.get("torch_end") or {}).items():
         row[f"torch_end.{k}"] = v
+    for k, v in (rec.get("torch_begin") or {}).items():
+        row[f"torch_begin.{k}"] = v
     for k, v in (rec.get("ledger") or {}).items():
         row[f"ledger.{k}"] = v
     row["phases"] = json.dumps(rec.get("phases") or [])
+    row["processes"] = json.dumps(rec.get("processes") or {})
     return row
 
 

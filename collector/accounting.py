@@ -1,0 +1,198 @@
+"""Every byte at a step's end, accounted for instead of guessed.
+
+For one GPU at the end of a step::
+
+    NVML device used = baseline + torch reserved + outside torch (this process)
+                       + other processes + no process + remainder
+
+* **torch reserved**: live tensors (by ledger kind when the probe watched the model and
+  optimizer: parameters, gradients, optimizer state, other live) + cached-free + inactive split;
+* **baseline**: this process's memory outside torch at its smallest over the run (the CUDA
+  context, libraries loaded before step 1); without per-process readings, the probe's reading
+  before training (device used − reserved then, which also holds other processes of that time);
+* **outside torch (this process)**: NVML per-process used − reserved − baseline: NCCL buffers,
+  cuBLAS workspaces, raw ``cudaMalloc``, another library's own allocator;
+* **other processes**: NVML per-process used of every other process on the GPU, by pid and name;
+* **no process**: device used − Σ per-process used — memory no process is charged for, such as
+  CUDA managed (UVM) memory resident on the GPU: a paged optimizer's state (NVML's per-process
+  figure does not count it; seen on the H200);
+* **remainder**: what moved between the end mark and the per-process reading (it is read when
+  the step is joined, shortly after its end). When it exceeds :data:`TRUSTED_REMAINDER` the
+  reading does not describe that step's end: its split is dropped (one unsplit figure), not
+  guessed.
+
+Without per-process readings (captures recorded before them, an NVML that refuses) everything
+outside torch and the baseline is one figure, said to be unsplit. The process is known by the
+pid the probe puts in its begin event.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Account", "account", "accounts", "allocator_mode", "changes"]
+
+MIB = 1 << 20
+TRUSTED_REMAINDER = 256 * MIB
+
+
+def _t(r: dict[str, Any], part: str, key: str) -> int | None:
+    v = (r.get(part) or {}).get(key)
+    return None if v is None else int(v)
+
+
+def _pid(recs: list[dict[str, Any]]) -> int | None:
+    for r in recs:
+        pid = _t(r, "torch_begin", "process_pid")
+        if pid:
+            return pid
+    return None
+
+
+@dataclass
+class Account:
+    """One GPU at the end of one step (bytes). ``None``: not known for this step."""
+
+    step: int
+    device_used: int
+    baseline: int
+    reserved: int
+    allocated: int
+    inactive_split: int
+    live: dict[str, int] = field(default_factory=dict)  # ledger kinds, when watched
+    outside: int | None = None  # this process, outside torch
+    others: list[tuple[int, str, int]] = field(default_factory=list)  # pid, name, bytes
+    no_process: int | None = None
+    unsplit: int | None = None  # outside torch, all kinds together (no per-process readings)
+    remainder: int = 0
+    read_after_ms: float | None = None  # the per-process reading's delay after the end mark
+
+    @property
+    def cached_free(self) -> int:
+        return max(0, self.reserved - self.allocated - self.inactive_split)
+
+    @property
+    def other_processes(self) -> int:
+        return sum(b for _, _, b in self.others)
+
+    def components(self) -> dict[str, int]:
+        """Named components, summing to ``device_used``."""
+        out = {"baseline": self.baseline, "torch reserved": self.reserved}
+        if self.unsplit is not None:
+            out["outside torch (unsplit)"] = self.unsplit
+        else:
+            out["outside torch, this process"] = self.outside or 0
+            out["other processes"] = self.other_processes
+            out["no process (managed/UVM)"] = self.no_process or 0
+        out["remainder"] = self.remainder
+        return out
+
+
+def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account | None:
+    """The account of record ``r`` (None without an end-of-step NVML reading or torch stats).
+    ``baseline``: this process's smallest memory outside torch (:func:`accounts` finds it)."""
+    used = r.get("nvml_end_bytes")
+    reserved = _t(r, "torch_end", "reserved_bytes.all.current")
+    if used is None or reserved is None:
+        return None
+    allocated = _t(r, "torch_end", "allocated_bytes.all.current") or 0
+    a = Account(
+        step=r["step"],
+        device_used=used,
+        baseline=0,
+        reserved=reserved,
+        allocated=allocated,
+        inactive_split=_t(r, "torch_end", "inactive_split_bytes.all.current") or 0,
+    )
+    led = r.get("ledger") or {}
+    if led:
+        a.live = {
+            k: int(led.get(k, 0))
+            for k in ("parameters", "gradients", "optimizer_state", "other_allocated")
+        }
+    procs = (r.get("processes") or {}).get("procs")
+    snap_used = (r.get("processes") or {}).get("device_used")
+    mine = [p for p in procs or [] if pid is not None and int(p[0]) == pid]
+    moved = abs(used - snap_used) if snap_used is not None else None
+    if mine and moved is not None and moved <= TRUSTED_REMAINDER and baseline is not None:
+        this = int(mine[0][1] or 0)
+        a.baseline = baseline
+        a.outside = this - reserved - baseline
+        a.others = [
+            (int(p[0]), str(p[2]) if len(p) > 2 else "", int(p[1] or 0))
+            for p in procs
+            if int(p[0]) != pid
+        ]
+        a.no_process = snap_used - sum(int(p[1] or 0) for p in procs)
+        a.remainder = used - snap_used
+        t = (r.get("processes") or {}).get("t_ns")
+        if t is not None:
+            a.read_after_ms = (t - r["end_ns"]) / 1e6
+    else:
+        a.baseline = _t(r, "torch_end", "context_baseline_bytes") or 0
+        a.unsplit = used - reserved - a.baseline
+    return a
+
+
+def accounts(recs: list[dict[str, Any]]) -> list[Account]:
+    """The account of every step of one GPU that has one, in step order."""
+    pid = _pid(recs)
+    base = None
+    for r in recs:
+        procs = (r.get("processes") or {}).get("procs") or []
+        reserved = _t(r, "torch_end", "reserved_bytes.all.current")
+        for p in procs:
+            if pid is not None and int(p[0]) == pid and reserved is not None:
+                v = int(p[1] or 0) - reserved
+                base = v if base is None else min(base, v)
+    out = [account(r, pid, base) for r in recs if not r.get("error")]
+    return [a for a in out if a is not None]
+
+
+def allocator_mode(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the allocator ran: from the probe's reading of the run's environment, and from the
+    figures themselves (caching off: torch's statistics stay 0 while NVML moves)."""
+    flags = {}
+    for r in recs:
+        tb = r.get("torch_begin") or {}
+        if "allocator_caching_disabled" in tb:
+            flags = tb
+            break
+    zero = all(
+        not _t(r, "torch_end", "reserved_bytes.all.peak")
+        and not _t(r, "torch_end", "num_device_alloc")
+        for r in recs
+        if r.get("torch_end")
+    )
+    moving = [r["nvml_peak_bytes"] for r in recs if r.get("nvml_peak_bytes") is not None]
+    stats_zero = bool(moving) and zero and any(r.get("torch_end") for r in recs)
+    return {
+        "caching_disabled": bool(flags.get("allocator_caching_disabled")) or stats_zero,
+        "from_environment": bool(flags),
+        "stats_zero": stats_zero,
+        "expandable_segments": bool(flags.get("allocator_expandable_segments")),
+    }
+
+
+def changes(accs: list[Account], threshold: int = 256 * MIB) -> list[dict[str, Any]]:
+    """Each component's step-to-step change above ``threshold`` (end of step N−1 → end of N)."""
+    out = []
+    for prev, cur in itertools.pairwise(accs):
+        a, b = prev.components(), cur.components()
+        for name in b:
+            if name == "remainder" or name not in a:
+                continue
+            d = b[name] - a[name]
+            if abs(d) > threshold:
+                out.append({"step": cur.step, "component": name, "delta": d})
+        if prev.unsplit is None and cur.unsplit is None:
+            pa = {(pid, n): v for pid, n, v in prev.others}
+            pb = {(pid, n): v for pid, n, v in cur.others}
+            who = [f"pid {pid} {n[:40]!r} came" for pid, n in pb.keys() - pa.keys()]
+            who += [f"pid {pid} {n[:40]!r} left" for pid, n in pa.keys() - pb.keys()]
+            for c in out:
+                if c["step"] == cur.step and c["component"] == "other processes" and who:
+                    c["who"] = who
+    return out

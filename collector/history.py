@@ -1,0 +1,198 @@
+"""Which line allocated it: reading the allocation history the probe saves
+(:class:`collector.probe.core._History`).
+
+A snapshot from ``torch.cuda.memory._snapshot()`` holds, per device, the trace of allocator
+actions (``alloc``, ``free_requested``, ``free_completed``, ``segment_alloc``…) with their size,
+address, Python stack (``frames``) and time (``time_us``, wall clock). ``marks.json`` holds the
+wall-clock time of each step mark. Replaying the trace against the marks gives, for each recorded
+step: the allocations live at its within-step peak of allocated bytes and at its end, grouped by
+the line that made them (its *site*: the innermost frame outside PyTorch itself), and the memory
+allocated in step N that is still live at the end of step N+1 (state created in step N).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import pickle
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Site", "StepSites", "load", "site_of", "step_sites"]
+
+NO_FRAMES = "(no Python frame: autograd's engine or other C++ code)"
+# modules that are plumbing, not the line that asked for memory (PyTorch's own, the stdlib's)
+_PLUMBING = ("torch/", "contextlib.py", "functools.py", "threading.py")
+
+
+def _short(path: str) -> str:
+    """A file's path from its package down: ``transformers/models/llama/modeling_llama.py``
+    (``site-packages``/``dist-packages`` cut), else its last three parts."""
+    for root in ("site-packages/", "dist-packages/"):
+        if root in path:
+            return path.rsplit(root, 1)[1]
+    return "/".join(path.split("/")[-3:])
+
+
+def site_of(frames: Iterable[dict[str, Any]]) -> str:
+    """``file:line (function)`` of the innermost frame (frames come innermost first) outside
+    PyTorch's own code; a frame of PyTorch's when there is no other."""
+    frames = list(frames or [])
+    for f in frames:
+        name = str(f.get("filename", ""))
+        short = _short(name)
+        if name and not name.startswith("<") and not short.startswith(_PLUMBING):
+            return _fmt(f)
+    return _fmt(frames[0]) if frames else NO_FRAMES
+
+
+def _fmt(f: dict[str, Any]) -> str:
+    return f"{_short(str(f.get('filename', '?')))}:{f.get('line', '?')} ({f.get('name', '?')})"
+
+
+@dataclass
+class Site:
+    site: str
+    bytes: int
+    count: int
+
+
+@dataclass
+class StepSites:
+    """One recorded step of one device."""
+
+    step: int
+    peak_bytes: int = 0  # allocated bytes at the step's peak (from the trace)
+    peak_phase: str = ""
+    at_peak: list[Site] = field(default_factory=list)
+    at_end: list[Site] = field(default_factory=list)
+    kept_to_next: list[Site] = field(default_factory=list)  # made in this step, live after next
+
+
+def load(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The newest ``history-steps-*.pickle`` of ``folder`` and its ``marks.json``."""
+    snaps = sorted(folder.glob("history-steps-*.pickle"), key=lambda p: p.stat().st_mtime)
+    if not snaps:
+        raise FileNotFoundError(f"no history snapshot in {folder}")
+    with open(snaps[-1], "rb") as f:
+        snap = pickle.load(f)
+    marks = json.loads((folder / "marks.json").read_text())
+    return snap, marks
+
+
+def _top(items: dict[str, list[int]], n: int) -> list[Site]:
+    rows = [Site(site, b, c) for site, (b, c) in items.items()]
+    return sorted(rows, key=lambda s: -s.bytes)[:n]
+
+
+def step_sites(
+    snap: dict[str, Any], marks: list[dict[str, Any]], device: int = 0, top: int = 8
+) -> list[StepSites]:
+    """Per recorded step: the top ``top`` sites by bytes live at its peak and at its end, and
+    those of memory it allocated that is still live at the end of the next step."""
+    traces = snap.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    ends = {m["step"]: m["wall_us"] for m in marks if m["kind"] == "end"}
+    begins = {m["step"]: m["wall_us"] for m in marks if m["kind"] == "begin"}
+    bounds = sorted(
+        (t, m["step"], m["kind"], m.get("phase", "")) for m in marks for t in [m["wall_us"]]
+    )
+    times = [b[0] for b in bounds]
+
+    def where(t: int) -> tuple[int | None, str]:
+        """(step, phase) of time ``t``: the last mark at or before it (None: before the first
+        or between an end and the next begin)."""
+        i = bisect.bisect_right(times, t) - 1
+        if i < 0 or bounds[i][2] == "end":
+            return None, ""
+        return bounds[i][1], bounds[i][3] or "forward_backward"
+
+    live: dict[int, tuple[int, str, int | None, int]] = {}  # addr -> size, site, step, time
+    total = 0
+    out = {s: StepSites(s) for s in sorted(ends) if s in begins}
+    peak_t: dict[int, int] = {}
+    end_pending = sorted((t, s) for s, t in ends.items() if s in out)
+    live_at_end: dict[int, dict[int, tuple[int, str, int | None, int]]] = {}
+
+    def flush_ends(upto: int) -> None:
+        while end_pending and end_pending[0][0] <= upto:
+            _, s = end_pending.pop(0)
+            live_at_end[s] = dict(live)
+
+    for e in trace:
+        t = int(e.get("time_us", 0))
+        flush_ends(t)
+        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+        if action == "alloc":
+            step, phase = where(t)
+            live[addr] = (size, site_of(e.get("frames")), step, t)
+            total += size
+            if step in out and total > out[step].peak_bytes:
+                out[step].peak_bytes, out[step].peak_phase, peak_t[step] = total, phase, t
+        elif action in ("free_completed",) and addr in live:
+            total -= live.pop(addr)[0]
+    flush_ends(1 << 62)
+
+    # the live set at each step's peak: replay again up to the peak's time
+    live2: dict[int, tuple[int, str]] = {}
+    want = sorted((t, s) for s, t in peak_t.items())
+    k = 0
+    for e in trace:
+        t = int(e.get("time_us", 0))
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live2[addr] = (int(e.get("size", 0)), site_of(e.get("frames")))
+        elif action == "free_completed":
+            live2.pop(addr, None)
+        while k < len(want) and t >= want[k][0]:
+            out[want[k][1]].at_peak = _group(live2.values(), top)
+            k += 1
+
+    for s, rec in out.items():
+        at_end = live_at_end.get(s, {})
+        rec.at_end = _group(((v[0], v[1]) for v in at_end.values()), top)
+        nxt = live_at_end.get(s + 1)
+        if nxt is not None:
+            kept = ((v[0], v[1]) for a, v in nxt.items() if v[2] == s)
+            rec.kept_to_next = _group(kept, top)
+    return list(out.values())
+
+
+def _group(items: Iterable[tuple[int, str]], top: int) -> list[Site]:
+    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, site in items:
+        acc[site][0] += size
+        acc[site][1] += 1
+    return _top(acc, top)
+
+
+def summary(folder: Path, top: int = 8) -> dict[str, Any]:
+    """Everything the report shows of a history folder, as JSON-ready data."""
+    snap, marks = load(folder)
+    traces = snap.get("device_traces") or [[]]
+    t_us = [int(e.get("time_us", 0)) for e in traces[0]]
+    return {
+        "trace_entries": len(t_us),
+        "trace_time_us": [min(t_us), max(t_us)] if t_us else None,
+        "marks_time_us": [marks[0]["wall_us"], marks[-1]["wall_us"]] if marks else None,
+        "steps": [
+            {
+                "step": r.step,
+                "peak_bytes": r.peak_bytes,
+                "peak_phase": r.peak_phase,
+                "at_peak": [s.__dict__ for s in r.at_peak],
+                "at_end": [s.__dict__ for s in r.at_end],
+                "kept_to_next": [s.__dict__ for s in r.kept_to_next],
+            }
+            for r in step_sites(snap, marks, top=top)
+        ],
+    }
+
+
+if __name__ == "__main__":  # python -m collector.history FOLDER: the summary as JSON
+    import sys
+
+    print(json.dumps(summary(Path(sys.argv[1])), indent=1))

@@ -1,0 +1,171 @@
+"""The accounting identity and allocation sites, on captures recorded on the H200 (replayed
+through the real pipeline: samplers on a local Ray cluster, per-process readings joined to the
+step records, the store, the diagnosis)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from collector.accounting import accounts, allocator_mode
+from collector.diagnose import diagnose
+from tests.conftest import loopback
+
+GIB = 1 << 30
+HISTORY = Path(__file__).parent / "data" / "history-paged-nowatch"
+
+
+def _replay(capture: str, tmp_path: Path) -> list[dict]:
+    from collector.run import JobOptions, run_job
+
+    opts = JobOptions(
+        backend="replay",
+        captures=[capture],
+        speed=4.0,
+        store=tmp_path / "runs",
+        sampler=loopback(run_id=f"acct-{capture}"),
+    )
+    return run_job(opts, echo=lambda *a: None).records
+
+
+def _identity_holds(recs: list[dict]) -> list:
+    accs = accounts(recs)
+    assert accs, "no step has an account"
+    for a in accs:  # the components are the device's used memory, to the byte
+        assert sum(a.components().values()) == a.device_used
+    return accs
+
+
+def _change(findings, component):
+    return next(
+        f for f in findings if f.rule == "component_change" and f.numbers["component"] == component
+    )
+
+
+@pytest.mark.ray
+def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster, tmp_path):
+    """4 GiB from cuMemAlloc in the training process from step 3 until step 6 begins."""
+    recs = _replay("outside", tmp_path)
+    _identity_holds(recs)
+    fs = diagnose(recs)
+    change = _change(fs, "outside torch, this process")
+    first = change.numbers["changes"][0]
+    assert first["step"] == 3 and first["delta"] / GIB == pytest.approx(4.0, abs=0.05)
+    assert all(c["component"] != "other processes" for c in change.numbers["changes"])
+
+
+@pytest.mark.ray
+def test_a_second_process_on_the_gpu_is_named_when_it_comes_and_goes(ray_cluster, tmp_path):
+    recs = _replay("neighbour", tmp_path)
+    _identity_holds(recs)
+    cs = _change(diagnose(recs), "other processes").numbers["changes"]
+    assert [c["step"] for c in cs] == [3, 6]
+    assert cs[0]["delta"] / GIB == pytest.approx(2.6, abs=0.1) and cs[1]["delta"] < 0
+    assert "came" in cs[0]["who"][0] and "python -c" in cs[0]["who"][0]
+    assert "left" in cs[1]["who"][0]
+
+
+@pytest.mark.ray
+def test_caching_allocator_off_is_said(ray_cluster, tmp_path):
+    recs = _replay("nocache", tmp_path)
+    mode = allocator_mode(recs)
+    assert mode["caching_disabled"] and mode["from_environment"] and mode["stats_zero"]
+    fs = diagnose(recs)
+    f = next(f for f in fs if f.rule == "allocator_mode")
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING" in f.text
+    _identity_holds(recs)
+
+
+@pytest.mark.ray
+def test_a_paged_optimizer_without_watch_is_memory_no_process_is_charged_for(ray_cluster, tmp_path):
+    """No ledger (the probe never saw the optimizer): the managed state is found from NVML's
+    per-process readings, not guessed as cuBLAS or NCCL."""
+    recs = _replay("paged_nowatch", tmp_path)
+    assert not any(r.get("ledger") for r in recs)
+    accs = _identity_holds(recs)
+    last = accs[-1]
+    assert last.no_process / GIB == pytest.approx(0.51, abs=0.05)
+    assert abs(last.outside) < 64 << 20
+    nontorch = next(f for f in diagnose(recs) if f.rule == "nontorch")
+    assert "charged to no process" in nontorch.text and "cuBLAS/cuDNN" not in nontorch.text
+
+
+def test_without_per_process_readings_nothing_outside_torch_is_named():
+    from collector.report import load_run
+
+    run = load_run(
+        Path(__file__).parent.parent / "benchmarks/results/h200-run2/adamw_8bit.records.json"
+    )
+    recs = run.by_gpu[run.gpus[0]]
+    assert all(a.unsplit is not None for a in accounts(recs))
+    nontorch = next(f for f in diagnose(recs) if f.rule == "nontorch")
+    assert "cannot be split" in nontorch.text
+
+
+def test_allocation_sites_from_the_h200_history():
+    """The small paged run's history: bitsandbytes' init_state allocates in step 1 what is still
+    live at the end of step 2; activations come from the Llama forward."""
+    from collector import history
+
+    doc = history.summary(HISTORY)
+    s1 = doc["steps"][0]
+    assert s1["step"] == 1 and s1["peak_phase"] == "forward_backward"
+    assert any(
+        "bitsandbytes/optim/optimizer.py" in r["site"] and "init_state" in r["site"]
+        for r in s1["kept_to_next"]
+    )
+    assert any("modeling_llama.py" in r["site"] for r in s1["at_peak"])
+    assert doc["trace_time_us"][0] <= doc["marks_time_us"][1]  # one wall clock
+
+
+def test_sites_are_the_innermost_frame_outside_torch():
+    from collector.history import NO_FRAMES, site_of, step_sites
+
+    frame = lambda f, n, line: {"filename": f, "name": n, "line": line}  # noqa: E731
+    bnb = [
+        frame("/v/site-packages/torch/utils.py", "empty", 1),
+        frame("/v/site-packages/bitsandbytes/optim/optimizer.py", "init_state", 300),
+    ]
+    assert site_of(bnb) == "bitsandbytes/optim/optimizer.py:300 (init_state)"
+    assert site_of([]) == NO_FRAMES
+    marks = [
+        {"step": 1, "kind": "begin", "phase": "", "wall_us": 100},
+        {"step": 1, "kind": "phase", "phase": "optimizer", "wall_us": 200},
+        {"step": 1, "kind": "end", "phase": "", "wall_us": 300},
+        {"step": 2, "kind": "begin", "phase": "", "wall_us": 400},
+        {"step": 2, "kind": "end", "phase": "", "wall_us": 600},
+    ]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "time_us": 110, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 100, "time_us": 150},
+        {"action": "alloc", "addr": 2, "size": 50, "time_us": 210, "frames": bnb},
+        {"action": "alloc", "addr": 3, "size": 500, "time_us": 410, "frames": []},
+        {"action": "free_completed", "addr": 3, "size": 500, "time_us": 500},
+    ]
+    s1, s2 = step_sites({"device_traces": [trace]}, marks)
+    assert (s1.peak_bytes, s1.peak_phase) == (100, "forward_backward")
+    assert [x.bytes for x in s1.kept_to_next] == [50]
+    assert s2.peak_bytes == 550 and {x.bytes for x in s2.at_peak} == {500, 50}
+    assert s2.kept_to_next == []  # no step 3 recorded
+
+
+def test_the_report_lists_allocation_sites_of_a_store_with_history(tmp_path):
+    from collector.report import load_run, render_report
+
+    src = Path(__file__).parent.parent / "benchmarks/results/h200-accounting/runs/paged_nowatch"
+    run_dir = tmp_path / "paged_nowatch"
+    shutil.copytree(src, run_dir)
+    shutil.copytree(HISTORY, run_dir / "history")
+    text, _ = render_report(load_run(run_dir))
+    assert "Allocation sites" in text and "init_state" in text and "memory_viz" in text
+
+
+def test_the_probe_reads_the_allocator_mode_from_the_environment(monkeypatch):
+    from collector.probe.core import allocator_mode as mode
+
+    monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    m = mode()
+    assert m["allocator_expandable_segments"] == 1 and m["allocator_caching_disabled"] == 0
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    assert mode()["allocator_caching_disabled"] == 1
