@@ -55,7 +55,8 @@ class SamplerActor:
         self.device = spec.build(node_id).open(gpu_uuid)
         sampling = options.sampling
         self.sampler = Sampler(self.device, sampling.rate, capacity=sampling.capacity)
-        self.joiner = StepJoiner(self.sampler, processes=self._processes_now)
+        self.joiner = StepJoiner(self.sampler, processes=self._processes_for)
+        self._baseline: int | None = None
         self.process_read_errors = 0
         self._procs_cache: tuple[int, dict[str, Any]] | None = None
         self.events_received = 0
@@ -87,6 +88,20 @@ class SamplerActor:
             target=self._join_loop, name="stepmem-join", daemon=True
         )
         self._join_thread.start()
+
+    def _processes_for(self, rec: Any) -> dict[str, Any] | None:
+        """:meth:`_processes_now` for a joined step, with ``baseline``: the smallest memory its
+        process has held outside torch so far (for the live accounting series)."""
+        snap = self._processes_now(rec.end_ns)
+        pid = (rec.torch_begin or {}).get("process_pid")
+        reserved = (rec.torch_end or {}).get("reserved_bytes.all.current")
+        if snap is None or pid is None or reserved is None:
+            return snap
+        mine = [p for p in snap["procs"] if p[0] == pid and p[1] is not None]
+        if mine:
+            v = int(mine[0][1]) - int(reserved)
+            self._baseline = v if self._baseline is None else min(self._baseline, v)
+        return {**snap, "baseline": self._baseline}
 
     def _processes_now(self, end_ns: int) -> dict[str, Any] | None:
         """NVML per-process memory for the step that ended at ``end_ns``, with the device's used

@@ -222,6 +222,19 @@ def step_memory() -> dashboard.Dashboard:
             w=24,
         )
     )
+    d = d.with_panel(
+        _ts(
+            "Every byte at step end",
+            "NVML used at each step's end by component (stepmem_step_account_bytes; they sum to "
+            "NVML end): baseline, torch reserved, outside torch in the training process, other "
+            "processes, memory no process is charged for (CUDA managed/UVM, e.g. paged optimizer "
+            "state), remainder; 'outside_torch_unsplit' where NVML gave no per-process readings.",
+            "bytes",
+            [(f"stepmem_step_account_bytes{{{STEPS}}}", GPU_LEGEND + " {{component}}")],
+            stack=True,
+            w=24,
+        )
+    )
     return d
 
 

@@ -162,6 +162,17 @@ METRICS: tuple[Metric, ...] = (
         "the torch allocator does not hold (managed/paged optimizer state, other libraries).",
     ),
     Metric(
+        "stepmem_step_account_bytes",
+        "gauge",
+        "bytes",
+        "NVML used at step end, every byte by component: baseline (this process's CUDA context "
+        "and what it held outside torch before step 1), torch_reserved, outside_torch (this "
+        "process, beyond the baseline), other_processes, no_process (CUDA managed/UVM memory), "
+        "remainder; outside_torch_unsplit where NVML gave no per-process readings. The series of "
+        "one step sum to stepmem_step_nvml_end_bytes.",
+        (*GPU_LABELS, "component"),
+    ),
+    Metric(
         "stepmem_step_ledger_bytes",
         "gauge",
         "bytes",
@@ -282,6 +293,7 @@ PUSHED = (
     "stepmem_step_torch_allocated_end_bytes",
     "stepmem_step_torch_reserved_end_bytes",
     "stepmem_step_nontorch_bytes",
+    "stepmem_step_account_bytes",
     "stepmem_step_ledger_bytes",
 )
 

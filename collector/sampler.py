@@ -332,7 +332,9 @@ class StepJoiner:
     """
 
     def __init__(
-        self, sampler: Sampler, processes: Callable[[int], dict[str, Any] | None] | None = None
+        self,
+        sampler: Sampler,
+        processes: Callable[[StepRecord], dict[str, Any] | None] | None = None,
     ) -> None:
         self.sampler = sampler
         # per-process readings for the records of one poll (the join thread, never the sampler's)
@@ -384,7 +386,7 @@ class StepJoiner:
             out = [self.join(b, e, ph) for b, e, ph in ready]
             if self._processes is not None:
                 for rec in out:  # a reading for each step's end (live: now, shared by the poll)
-                    rec.processes = self._processes(rec.end_ns) or {}
+                    rec.processes = self._processes(rec) or {}
             self.records.extend(out)
             self.joined += len(out)
         return out

@@ -52,6 +52,17 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     first = change.numbers["changes"][0]
     assert first["step"] == 3 and first["delta"] / GIB == pytest.approx(4.0, abs=0.05)
     assert all(c["component"] != "other processes" for c in change.numbers["changes"])
+    # the live series (/metrics, remote write): the sampler's baseline so far, summing to NVML
+    from collector.export.values import step_values
+
+    step3 = next(r for r in recs if r["step"] == 3)
+    series = {
+        labels["component"]: v
+        for name, labels, v in step_values(step3)
+        if name == "stepmem_step_account_bytes"
+    }
+    assert series["outside_torch"] / GIB == pytest.approx(4.0, abs=0.05)
+    assert sum(series.values()) == step3["nvml_end_bytes"]
 
 
 @pytest.mark.ray

@@ -29,6 +29,26 @@ def nontorch_bytes(rec: dict[str, Any]) -> int | None:
     )
 
 
+_COMPONENT = {  # the accounting's names → the `component` label (a fixed set)
+    "baseline": "baseline",
+    "torch reserved": "torch_reserved",
+    "outside torch, this process": "outside_torch",
+    "other processes": "other_processes",
+    "no process (managed/UVM)": "no_process",
+    "outside torch (unsplit)": "outside_torch_unsplit",
+    "remainder": "remainder",
+}
+
+
+def _account(rec: dict[str, Any]) -> Any:
+    """The step's account with the baseline the sampler has seen so far (the report uses the
+    whole run's)."""
+    from collector.accounting import account
+
+    pid = (rec.get("torch_begin") or {}).get("process_pid")
+    return account(rec, pid, (rec.get("processes") or {}).get("baseline"))
+
+
 def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
     """``(metric, extra labels, value)`` for every per-step series a step record has data for."""
     out: list[tuple[str, dict[str, str], float]] = [
@@ -50,6 +70,10 @@ def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
     nt = nontorch_bytes(rec)
     if nt is not None:
         out.append(("stepmem_step_nontorch_bytes", {}, nt))
+    acc = _account(rec)
+    if acc is not None:
+        for name, value in acc.components().items():
+            out.append(("stepmem_step_account_bytes", {"component": _COMPONENT[name]}, value))
     for kind, value in (rec.get("ledger") or {}).items():
         out.append(("stepmem_step_ledger_bytes", {"kind": kind}, value))
     return out
