@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from collector.accounting import accounts, changes
 from collector.report import Run
 from collector.store import RunStore
 
@@ -33,7 +34,20 @@ COLORS = {
     "optimizer_state": "#55a868",
     "optimizer_state_managed": "#8172b3",
     "other_allocated": "#c7c7c7",
+    # the accounting's components (collector.accounting)
+    "baseline": "#8c8c8c",
+    "torch reserved": "#4c72b0",
+    "outside torch, this process": "#c44e52",
+    "other processes": "#dd8452",
+    "no process (managed/UVM)": "#8172b3",
 }
+ACCOUNT = (
+    "baseline",
+    "torch reserved",
+    "outside torch, this process",
+    "other processes",
+    "no process (managed/UVM)",
+)
 
 
 def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
@@ -47,6 +61,8 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
     for i, uuid in enumerate(run.gpus):
         df = traces[uuid]
         recs = run.by_gpu[uuid]
+        accs = {a.step: a for a in accounts(recs)}
+        split = any(a.unsplit is None for a in accs.values())
         steps = []
         for r in recs:
             te = r.get("torch_end") or {}
@@ -71,6 +87,10 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
                     else (te["reserved_bytes.all.current"] + base) / GIB,
                     "ledger": {k: (r.get("ledger") or {}).get(k, 0) / GIB for k in LEDGER},
                     "error": r.get("error") or "",
+                    # every byte at step end (when NVML's per-process readings split it)
+                    "account": {k: v / GIB for k, v in accs[r["step"]].components().items()}
+                    if split and r["step"] in accs
+                    else {},
                 }
             )
         panels.append(
@@ -80,6 +100,11 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
                 "used": [] if df is None else (df["used"] / GIB).tolist(),
                 "steps": steps,
                 "total": run.totals.get(uuid, 0) / GIB,
+                "changes": [
+                    c for c in changes(list(accs.values())) if c["component"] != "torch reserved"
+                ]
+                if split
+                else [],
             }
         )
     return panels
@@ -140,8 +165,15 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
                 )
         ends = [s["end"] for s in steps]
         bottom = [0.0] * len(ends)
-        for kind in LEDGER:
-            vals = [s["ledger"][kind] for s in steps]
+        # the accounting's components stacked to NVML end when there are per-process readings,
+        # else the ledger's kinds (what live tensors are)
+        split = any(s["account"] for s in steps)
+        stacks = ACCOUNT if split else LEDGER
+        for kind in stacks:
+            if split:
+                vals = [max(0.0, s["account"].get(kind, 0.0)) for s in steps]
+            else:
+                vals = [s["ledger"][kind] for s in steps]
             if any(vals):
                 tops = [b + v for b, v in zip(bottom, vals, strict=True)]
                 ax.fill_between(
@@ -151,7 +183,7 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
                     step="pre",
                     alpha=0.3,
                     color=COLORS[kind],
-                    label=f"ledger: {kind.replace('_', ' ')}",
+                    label=kind if split else f"ledger: {kind.replace('_', ' ')}",
                     lw=0,
                 )
                 bottom = tops
@@ -214,6 +246,22 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
                     arrowprops={"arrowstyle": "-", "color": "crimson", "lw": 0.6},
                     zorder=5,
                 )
+        by_step = {s["step"]: s for s in steps}
+        for c in p["changes"][:4]:  # what the accounting found, at the step it happened
+            s = by_step.get(c["step"])
+            if s is None or s["nvml_end"] is None:
+                continue
+            ax.annotate(
+                f"step {c['step']}: {c['component']} {c['delta'] / GIB:+.2f} GiB",
+                xy=(s["end"], s["nvml_end"]),
+                xytext=(0, -22 if c["delta"] < 0 else 22),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                color="#5a2d82",
+                arrowprops={"arrowstyle": "->", "color": "#5a2d82", "lw": 0.6},
+                zorder=5,
+            )
         values = [*used, *(s["nvml_peak"] for s in measured), *(v for _, v in re)]
         values += [sum(s["ledger"].values()) for s in steps]
         top = max(values, default=p["total"] or 1.0)

@@ -15,17 +15,18 @@ GIB = 1 << 30
 HISTORY = Path(__file__).parent / "data" / "history-paged-nowatch"
 
 
-def _replay(capture: str, tmp_path: Path) -> list[dict]:
+def _replay(capture: str, tmp_path: Path, result: bool = False):
     from collector.run import JobOptions, run_job
 
     opts = JobOptions(
         backend="replay",
         captures=[capture],
-        speed=4.0,
+        speed=1.0,  # real time: the per-process readings pair with samples as recorded
         store=tmp_path / "runs",
         sampler=loopback(run_id=f"acct-{capture}"),
     )
-    return run_job(opts, echo=lambda *a: None).records
+    res = run_job(opts, echo=lambda *a: None)
+    return res if result else res.records
 
 
 def _identity_holds(recs: list[dict]) -> list:
@@ -45,7 +46,8 @@ def _change(findings, component):
 @pytest.mark.ray
 def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster, tmp_path):
     """4 GiB from cuMemAlloc in the training process from step 3 until step 6 begins."""
-    recs = _replay("outside", tmp_path)
+    res = _replay("outside", tmp_path, result=True)
+    recs = res.records
     _identity_holds(recs)
     fs = diagnose(recs)
     change = _change(fs, "outside torch, this process")
@@ -63,6 +65,17 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     }
     assert series["outside_torch"] / GIB == pytest.approx(4.0, abs=0.05)
     assert sum(series.values()) == step3["nvml_end_bytes"]
+    # the picture stacks the components and labels the change at its step
+    from collector.report import load_run
+    from collector.store import RunStore
+    from collector.timeline import _panels, render_png
+
+    (panel,) = _panels(load_run(res.store), RunStore(res.store))
+    assert panel["changes"][0]["step"] == 3
+    s3 = next(s for s in panel["steps"] if s["step"] == 3)
+    assert sum(s3["account"].values()) == pytest.approx(s3["nvml_end"], abs=1e-6)
+    png = render_png(load_run(res.store), RunStore(res.store), tmp_path / "t.png")
+    assert png.stat().st_size > 10_000
 
 
 @pytest.mark.ray
