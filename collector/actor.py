@@ -123,10 +123,14 @@ class SamplerActor:
         # the device's used memory at the reading's time: now for live NVML; for a replay, when
         # the capture's snapshot in force was taken
         t = getattr(self.device, "processes_t_ns", None) or time.monotonic_ns()
-        w = self.sampler.ring.window(t - 200_000_000, t)
+        if hasattr(self.device, "used_at"):  # a replay: the capture's value at the snapshot
+            used: int | None = self.device.used_at(t)
+        else:
+            w = self.sampler.ring.window(t - 200_000_000, t)
+            used = int(w.used[-1]) if len(w) else None
         snap = {
             "t_ns": t,
-            "device_used": int(w.used[-1]) if len(w) else None,
+            "device_used": used,
             "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
         }
         self._procs_cache = (now, snap)

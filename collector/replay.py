@@ -321,6 +321,12 @@ class ReplayDevice:
                 raise self._fault[0](f"{self.uuid}: replayed fault")
         return max(0, int(np.searchsorted(self._t, self.position_ns(now), "right")) - 1)
 
+    def used_at(self, t_ns: int) -> int:
+        """The capture's used value in force at monotonic ``t_ns`` (no fault injection): what a
+        per-process snapshot taken then is paired with."""
+        i = max(0, int(np.searchsorted(self._t, self.position_ns(t_ns), "right")) - 1)
+        return int(self._used[i])
+
     def read(self) -> tuple[int, int]:
         i = self._index()
         return self._used[i], self._reserved[i]
