@@ -297,22 +297,33 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     return out
 
 
-def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
-    """Findings for one GPU's records (sorted by step). A step without NVML samples has None
-    NVML figures (never 0 bytes): it is named and left out of every rule that reads NVML."""
-    recs = sorted(recs, key=lambda r: r["step"])
-    out: list[Finding] = []
-    if not recs:
-        return [Finding("empty", "No complete step was recorded.")]
-    unmeasured = _unmeasured(recs)
-    if unmeasured is not None:
-        out.append(unmeasured)
-    has_torch = _te(recs[0], "reserved_bytes.all.current") is not None
-    all_steps = recs  # rules 5 and 6 read every step, a failed one included
-    recs = [r for r in recs if not r.get("error")] or all_steps  # rules 1-4: steps that ended
-    ended = [r for r in recs if r.get("nvml_end_bytes") is not None]  # NVML end measured
-    peaked = [r for r in all_steps if r.get("nvml_peak_bytes") is not None]
+@dataclass
+class _Steps:
+    """One GPU's records as the rules read them."""
 
+    recs: list[dict[str, Any]]  # the steps that ended (every step if none did)
+    all_steps: list[dict[str, Any]]  # every step, a failed one included
+    ended: list[dict[str, Any]]  # ended steps with an end-of-step NVML reading
+    peaked: list[dict[str, Any]]  # steps with a within-step NVML peak
+    has_torch: bool
+    total_bytes: int | None
+
+
+def _rule_unmeasured(s: _Steps) -> list[Finding]:
+    """Steps without an NVML sample inside them, named."""
+    all_steps = s.all_steps
+    out: list[Finding] = []
+    found = _unmeasured(all_steps)
+    if found is not None:
+        out.append(found)
+    return out
+
+
+def _rule_steady(s: _Steps) -> list[Finding]:
+    """1. Steady state, or growth: by how much a step, in which pool."""
+    ended = s.ended
+    has_torch = s.has_torch
+    out: list[Finding] = []
     # 1. steady state, or growth (steps whose end NVML reading exists)
     k = _steady_from(ended) if len(ended) >= 3 else None
     if k is not None and len(ended) - k >= 2:
@@ -365,7 +376,14 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 {"pool": pool, "bytes_per_step": rates[pool]},
             )
         )
+    return out
 
+
+def _rule_jumps(s: _Steps) -> list[Finding]:
+    """2. Each end-of-step jump of torch reserved before the steady state, attributed."""
+    recs = s.recs
+    has_torch = s.has_torch
+    out: list[Finding] = []
     # 2. jumps in reserved, attributed
     live: list[tuple[dict[str, Any], dict[str, Any], int]] = []  # a run of "live" jumps
     if has_torch:
@@ -439,8 +457,13 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 nums["cause"] = "allocator"
             out.append(Finding("jump", text, nums))
         _flush_live(live, out)
+    return out
 
-    last = recs[-1]
+
+def _rule_outside(s: _Steps) -> list[Finding]:
+    """3. Memory outside the allocator at the last step that has an NVML end reading."""
+    ended = s.ended
+    out: list[Finding] = []
     # 3. memory outside the allocator (at the last step whose end NVML reading exists)
     nt = _nontorch(ended[-1]) if ended else None
     if nt is not None:
@@ -460,7 +483,20 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         else:
             out.append(_outside(ended, nt, managed))
-    out.extend(_accounting(recs))
+    return out
+
+
+def _rule_accounting(s: _Steps) -> list[Finding]:
+    """7. The allocator's mode, every byte of the last step's end, component changes."""
+    return _accounting(s.recs)
+
+
+def _rule_cache(s: _Steps) -> list[Finding]:
+    """4. Cache and fragmentation at the last step."""
+    recs = s.recs
+    has_torch = s.has_torch
+    out: list[Finding] = []
+    last = recs[-1]
     # 4. cache and fragmentation
     if has_torch:
         res, alloc = (
@@ -487,6 +523,13 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 },
             )
         )
+    return out
+
+
+def _rule_transients(s: _Steps) -> list[Finding]:
+    """5. Steps whose NVML peak rose well above their end reading."""
+    peaked = s.peaked
+    out: list[Finding] = []
     # 5. transients
     spikes = [
         r
@@ -511,6 +554,15 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
                 },
             )
         )
+    return out
+
+
+def _rule_headroom_and_failures(s: _Steps) -> list[Finding]:
+    """6. Headroom, OOM, failed and interrupted steps."""
+    peaked = s.peaked
+    all_steps = s.all_steps
+    total_bytes = s.total_bytes
+    out: list[Finding] = []
     # 6. headroom and OOM
     top = max(peaked, key=lambda r: r["nvml_peak_bytes"]) if peaked else None
     if total_bytes and top is not None:
@@ -576,3 +628,35 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
             )
         prev_ooms, prev = ooms, r
     return out
+
+
+# The rules in the order their findings are reported (each a small function of the steps).
+RULES = (
+    _rule_unmeasured,
+    _rule_steady,
+    _rule_jumps,
+    _rule_outside,
+    _rule_accounting,
+    _rule_cache,
+    _rule_transients,
+    _rule_headroom_and_failures,
+)
+
+
+def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list[Finding]:
+    """Findings for one GPU's records (sorted by step), rule by rule (:data:`RULES`). A step
+    without NVML samples has None NVML figures (never 0 bytes): it is named and left out of
+    every rule that reads NVML."""
+    all_steps = sorted(recs, key=lambda r: r["step"])
+    if not all_steps:
+        return [Finding("empty", "No complete step was recorded.")]
+    ended_ok = [r for r in all_steps if not r.get("error")] or all_steps
+    steps = _Steps(
+        recs=ended_ok,
+        all_steps=all_steps,
+        ended=[r for r in ended_ok if r.get("nvml_end_bytes") is not None],
+        peaked=[r for r in all_steps if r.get("nvml_peak_bytes") is not None],
+        has_torch=_te(all_steps[0], "reserved_bytes.all.current") is not None,
+        total_bytes=total_bytes,
+    )
+    return [f for rule in RULES for f in rule(steps)]
