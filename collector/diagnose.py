@@ -203,6 +203,27 @@ def _outside(ended: list[dict[str, Any]], nt: int, managed: int) -> Finding:
     )
 
 
+def _outside_growth(ended: list[dict[str, Any]]) -> str:
+    """Which component outside torch grows from the first to the last step, by the accounting
+    (no cause named without a reading)."""
+    from collector.accounting import accounts
+
+    accs = [a for a in accounts(ended) if a.unsplit is None]
+    if len(accs) < 2:
+        return (
+            "memory outside torch's allocator grows; without NVML per-process readings it "
+            "cannot be split into this process, other processes and managed memory"
+        )
+    first, last = accs[0].components(), accs[-1].components()
+    grew = {k: last[k] - first[k] for k in last if k not in ("baseline", "torch reserved")}
+    grew.pop("remainder", None)
+    name = max(grew, key=lambda k: grew[k])
+    return (
+        f"by NVML's per-process readings it is {name} "
+        f"({g(grew[name])} from step {accs[0].step} to step {accs[-1].step})"
+    )
+
+
 def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     """Rule 7: the allocator's mode, every byte of the last step's end, and each step-to-step
     change of what lies outside torch, from the accounting identity
@@ -363,8 +384,7 @@ def _rule_steady(s: _Steps) -> list[Finding]:
             "torch allocated": "live tensors accumulate from step to step — something keeps "
             "references to them (a leak)",
             "torch reserved": "the allocator's cache grows while live tensors do not",
-            "outside the allocator": "memory outside torch's allocator grows (another "
-            "library, managed memory)",
+            "outside the allocator": _outside_growth(ended),
             "NVML used": "device memory grows",
         }[pool]
         out.append(

@@ -97,6 +97,8 @@ def test_caching_allocator_off_is_said(ray_cluster, tmp_path):
     fs = diagnose(recs)
     f = next(f for f in fs if f.rule == "allocator_mode")
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING" in f.text
+    growing = next(f for f in fs if f.rule == "growing")
+    assert "per-process readings it is outside torch, this process" in growing.text
     _identity_holds(recs)
 
 
