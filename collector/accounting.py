@@ -32,7 +32,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Account", "account", "accounts", "allocator_mode", "changes"]
+__all__ = ["Account", "account", "accounts", "allocator_mode", "changes", "outside_share"]
 
 MIB = 1 << 20
 TRUSTED_REMAINDER = 256 * MIB
@@ -136,6 +136,15 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
     return a
 
 
+def outside_share(procs: list[list[Any]], pid: int | None, reserved: int) -> int | None:
+    """Process ``pid``'s NVML used memory outside torch's reserved pool (None: not listed);
+    its smallest over the steps is the baseline."""
+    for p in procs:
+        if pid is not None and int(p[0]) == pid and p[1] is not None:
+            return int(p[1]) - reserved
+    return None
+
+
 def accounts(recs: list[dict[str, Any]]) -> list[Account]:
     """The account of every step of one GPU that has one, in step order."""
     pid = _pid(recs)
@@ -143,10 +152,9 @@ def accounts(recs: list[dict[str, Any]]) -> list[Account]:
     for r in recs:
         procs = (r.get("processes") or {}).get("procs") or []
         reserved = _t(r, "torch_end", "reserved_bytes.all.current")
-        for p in procs:
-            if pid is not None and int(p[0]) == pid and reserved is not None:
-                v = int(p[1] or 0) - reserved
-                base = v if base is None else min(base, v)
+        v = outside_share(procs, pid, reserved) if reserved is not None else None
+        if v is not None:
+            base = v if base is None else min(base, v)
     out = [account(r, pid, base) for r in recs if not r.get("error")]
     return [a for a in out if a is not None]
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from collector.accounting import outside_share
 from collector.backends import BackendSpec
 from collector.metrics import gpu_labels
 from collector.records import StepEvent
@@ -97,9 +98,8 @@ class SamplerActor:
         reserved = (rec.torch_end or {}).get("reserved_bytes.all.current")
         if snap is None or pid is None or reserved is None:
             return snap
-        mine = [p for p in snap["procs"] if p[0] == pid and p[1] is not None]
-        if mine:
-            v = int(mine[0][1]) - int(reserved)
+        v = outside_share(snap["procs"], pid, int(reserved))
+        if v is not None:
             self._baseline = v if self._baseline is None else min(self._baseline, v)
         return {**snap, "baseline": self._baseline}
 
@@ -113,21 +113,10 @@ class SamplerActor:
         if cached is not None and now - cached[0] < 20_000_000 and self.device.backend == "nvml":
             return cached[1]
         try:
-            if hasattr(self.device, "processes_near"):
-                procs = self.device.processes_near(end_ns)
-            else:
-                procs = self.device.processes()
+            t, used, procs = self.device.processes_reading(end_ns)
         except Exception:  # an NVML error costs the accounting its split, nothing else
             self.process_read_errors += 1
             return None
-        # the device's used memory at the reading's time: now for live NVML; for a replay, when
-        # the capture's snapshot in force was taken
-        t = getattr(self.device, "processes_t_ns", None) or time.monotonic_ns()
-        if hasattr(self.device, "used_at"):  # a replay: the capture's value at the snapshot
-            used: int | None = self.device.used_at(t)
-        else:
-            w = self.sampler.ring.window(t - 200_000_000, t)
-            used = int(w.used[-1]) if len(w) else None
         snap = {
             "t_ns": t,
             "device_used": used,

@@ -30,6 +30,11 @@ class Device(Protocol):
 
     def processes(self) -> list[ProcessMemory]: ...
 
+    def processes_reading(self, t_ns: int) -> tuple[int, int, list[ProcessMemory]]:
+        """(when read, device used then, per-process memory) for the moment ``t_ns``, or as near
+        to it as the backend can: live NVML reads now, a replay its snapshot nearest."""
+        ...
+
 
 class Backend(Protocol):
     """The GPUs of one node."""

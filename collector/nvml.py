@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,6 +283,13 @@ class LiveDevice:
             ProcessMemory(pid=int(p.pid), used_bytes=p.usedGpuMemory, name=process_name(p.pid))
             for p in procs
         ]
+
+    def processes_reading(self, t_ns: int) -> tuple[int, int, list[ProcessMemory]]:
+        """Per-process memory with the device's used memory at the same moment, and when:
+        now (live NVML cannot read the past; ``t_ns``, the moment wanted, is a replay's)."""
+        procs = self.processes()
+        used, _ = self.read()
+        return time.monotonic_ns(), used, procs
 
 
 def process_name(pid: int, limit: int = 80) -> str:

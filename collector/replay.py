@@ -352,26 +352,26 @@ class ReplayDevice:
         for snap in snaps:
             if snap["t_ns"] <= pos:
                 chosen = snap
-        return self._procs(chosen, pos, self._clock())
+        return _procs(chosen)
 
-    def processes_near(self, t_ns: int) -> list[ProcessMemory]:
-        """The per-process snapshot taken nearest monotonic ``t_ns`` (a step's end: captures
-        take one a few ms after each step mark)."""
+    def processes_reading(self, t_ns: int) -> tuple[int, int, list[ProcessMemory]]:
+        """The capture's per-process snapshot taken nearest monotonic ``t_ns`` (a step's end:
+        captures take one a few ms after each step mark): when it was taken (monotonic), the
+        device's used memory then, and the processes."""
         snaps = self.capture.processes
         if not snaps:
-            return []
+            return t_ns, self.used_at(t_ns), []
         pos = self.position_ns(t_ns)
         chosen = min(snaps, key=lambda s: abs(s["t_ns"] - pos))
-        return self._procs(chosen, pos, t_ns)
+        t = t_ns - int((pos - chosen["t_ns"]) / self.speed)  # capture position pos is t_ns
+        return t, self.used_at(t), _procs(chosen)
 
-    def _procs(self, chosen: dict[str, Any], pos: int, t_ns: int) -> list[ProcessMemory]:
-        # when the snapshot was taken, on this process's monotonic clock (capture position
-        # ``pos`` is monotonic ``t_ns``)
-        self.processes_t_ns = t_ns - int((pos - chosen["t_ns"]) / self.speed)
-        return [
-            ProcessMemory(pid=int(p[0]), used_bytes=p[1], name=str(p[2]) if len(p) > 2 else "")
-            for p in chosen["procs"]
-        ]
+
+def _procs(snap: dict[str, Any]) -> list[ProcessMemory]:
+    return [
+        ProcessMemory(pid=int(p[0]), used_bytes=p[1], name=str(p[2]) if len(p) > 2 else "")
+        for p in snap["procs"]
+    ]
 
 
 class ReplayBackend:

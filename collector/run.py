@@ -217,6 +217,7 @@ class RunSession:
         self.error_text: str | None = None
         self.records: list[dict[str, Any]] = []
         self.health: list[dict[str, Any]] = []
+        self._history_set = False  # this run set STEPMEM_HISTORY_DIR (and unsets it at the end)
 
     def __enter__(self) -> RunSession:
         opts, echo = self.opts, self.echo
@@ -245,9 +246,9 @@ class RunSession:
         says where (``""``: nowhere); restored when the run ends."""
         from collector.probe.core import HISTORY_ENV
 
-        self._history_before = os.environ.get(HISTORY_ENV)
-        if self.spec.kind == "nvml" and self._history_before is None and self.writer is not None:
+        if self.spec.kind == "nvml" and HISTORY_ENV not in os.environ and self.writer is not None:
             os.environ[HISTORY_ENV] = str((self.writer.root / "history").resolve())
+            self._history_set = True
 
     def run(self) -> None:
         """Run the runner; the workload's own exception is kept (:meth:`fail`), not raised."""
@@ -294,7 +295,7 @@ class RunSession:
             write_targets(self.opts.targets, [])  # the run is over: no stale targets to alert on
         from collector.probe.core import HISTORY_ENV
 
-        if getattr(self, "_history_before", None) is None:
+        if self._history_set:  # ours, not the user's: gone with the run
             os.environ.pop(HISTORY_ENV, None)
 
 

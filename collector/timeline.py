@@ -126,6 +126,21 @@ def _view(p: dict[str, Any]) -> tuple[float, float, list[float], list[float]]:
     return lo, hi, [t for t, _ in keep], [u for _, u in keep]
 
 
+def _note(ax: Any, text: str, xy: tuple[float, float], dy: float, color: str, arrow: str) -> None:
+    """A small label ``dy`` points above (below, if negative) ``xy``, with a line to it."""
+    ax.annotate(
+        text,
+        xy=xy,
+        xytext=(0, dy),
+        textcoords="offset points",
+        ha="center",
+        fontsize=8,
+        color=color,
+        arrowprops={"arrowstyle": arrow, "color": color, "lw": 0.6},
+        zorder=5,
+    )
+
+
 def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     import matplotlib
 
@@ -234,33 +249,27 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
         if spread:
             gap, big = max(spread, key=lambda x: x[0])
             if gap > 0:
-                ax.annotate(
+                _note(
+                    ax,
                     f"step {big['step']}: peak {big['nvml_peak']:.2f} GiB, "
                     f"end {big['nvml_end']:.2f} GiB (+{gap:.2f})",
-                    xy=(big["peak_t"], big["nvml_peak"]),
-                    xytext=(0, 14),
-                    textcoords="offset points",
-                    ha="center",
-                    fontsize=8,
-                    color="crimson",
-                    arrowprops={"arrowstyle": "-", "color": "crimson", "lw": 0.6},
-                    zorder=5,
+                    (big["peak_t"], big["nvml_peak"]),
+                    14,
+                    "crimson",
+                    "-",
                 )
         by_step = {s["step"]: s for s in steps}
         for c in p["changes"][:4]:  # what the accounting found, at the step it happened
             s = by_step.get(c["step"])
             if s is None or s["nvml_end"] is None:
                 continue
-            ax.annotate(
+            _note(
+                ax,
                 f"step {c['step']}: {c['component']} {c['delta'] / GIB:+.2f} GiB",
-                xy=(s["end"], s["nvml_end"]),
-                xytext=(0, -22 if c["delta"] < 0 else 22),
-                textcoords="offset points",
-                ha="center",
-                fontsize=8,
-                color="#5a2d82",
-                arrowprops={"arrowstyle": "->", "color": "#5a2d82", "lw": 0.6},
-                zorder=5,
+                (s["end"], s["nvml_end"]),
+                -22 if c["delta"] < 0 else 22,
+                "#5a2d82",
+                "->",
             )
         values = [*used, *(s["nvml_peak"] for s in measured), *(v for _, v in re)]
         values += [sum(s["ledger"].values()) for s in steps]
