@@ -17,9 +17,12 @@ For one GPU at the end of a step::
   CUDA managed (UVM) memory resident on the GPU: a paged optimizer's state (NVML's per-process
   figure does not count it; seen on the H200);
 * **remainder**: what moved between the end mark and the per-process reading (it is read when
-  the step is joined, shortly after its end). When it exceeds :data:`TRUSTED_REMAINDER` the
-  reading does not describe that step's end: its split is dropped (one unsplit figure), not
-  guessed.
+  the step is joined, shortly after its end; a capture's snapshot a few ms after the mark).
+  It may sit in any component, so each is known to within it, and a change between two
+  steps' ends to within twice it. A reading whose remainder exceeds :data:`TRUSTED_REMAINDER`,
+  half of :data:`CHANGE_BYTES` (the smallest change reported), could make a change up on its
+  own: it does not describe that step's end (the next step had begun allocating), and its split
+  is dropped (one unsplit figure, with the reason), not guessed.
 
 Without per-process readings (captures recorded before them, an NVML that refuses) everything
 outside torch and the baseline is one figure, said to be unsplit. The process is known by the
@@ -35,7 +38,8 @@ from typing import Any
 __all__ = ["Account", "account", "accounts", "allocator_mode", "changes", "outside_share"]
 
 MIB = 1 << 20
-TRUSTED_REMAINDER = 256 * MIB
+CHANGE_BYTES = 256 * MIB  # the smallest step-to-step change of a component reported
+TRUSTED_REMAINDER = CHANGE_BYTES // 2
 
 
 def _t(r: dict[str, Any], part: str, key: str) -> int | None:
@@ -65,7 +69,8 @@ class Account:
     outside: int | None = None  # this process, outside torch
     others: list[tuple[int, str, int]] = field(default_factory=list)  # pid, name, bytes
     no_process: int | None = None
-    unsplit: int | None = None  # outside torch, all kinds together (no per-process readings)
+    unsplit: int | None = None  # outside torch, all kinds together (no usable reading)
+    unsplit_why: str = ""  # why it is unsplit: no per-process reading, or one that moved
     remainder: int = 0
     read_after_ms: float | None = None  # the per-process reading's delay after the end mark
 
@@ -133,6 +138,14 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
     else:
         a.baseline = _t(r, "torch_end", "context_baseline_bytes") or 0
         a.unsplit = used - reserved - a.baseline
+        if moved is not None and moved > TRUSTED_REMAINDER:
+            a.unsplit_why = (
+                f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
+            )
+        elif not mine:
+            a.unsplit_why = "no per-process reading"
+        else:
+            a.unsplit_why = "no baseline"
     return a
 
 
@@ -184,23 +197,28 @@ def allocator_mode(recs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def changes(accs: list[Account], threshold: int = 256 * MIB) -> list[dict[str, Any]]:
-    """Each component's step-to-step change above ``threshold`` (end of step N−1 → end of N)."""
+def changes(accs: list[Account], threshold: int = CHANGE_BYTES) -> list[dict[str, Any]]:
+    """Each component's change above ``threshold`` from one step's end to the next step's end
+    that is split the same way: the steps split into processes when any are (an unsplit step
+    has another baseline, so the two are never compared), else the unsplit ones. ``since``:
+    the step it is measured from (the step before, unless the steps between had no usable
+    per-process reading)."""
+    split = [a for a in accs if a.unsplit is None]
     out = []
-    for prev, cur in itertools.pairwise(accs):
+    for prev, cur in itertools.pairwise(split or accs):
         a, b = prev.components(), cur.components()
-        for name in b:
-            if name == "remainder" or name not in a:
-                continue
-            d = b[name] - a[name]
-            if abs(d) > threshold:
-                out.append({"step": cur.step, "component": name, "delta": d})
-        if prev.unsplit is None and cur.unsplit is None:
-            pa = {(pid, n): v for pid, n, v in prev.others}
-            pb = {(pid, n): v for pid, n, v in cur.others}
-            who = [f"pid {pid} {n[:40]!r} came" for pid, n in pb.keys() - pa.keys()]
-            who += [f"pid {pid} {n[:40]!r} left" for pid, n in pa.keys() - pb.keys()]
-            for c in out:
-                if c["step"] == cur.step and c["component"] == "other processes" and who:
+        found = [
+            {"step": cur.step, "since": prev.step, "component": name, "delta": b[name] - a[name]}
+            for name in b
+            if name != "remainder" and name in a and abs(b[name] - a[name]) > threshold
+        ]
+        if split:
+            pa = {(pid, n) for pid, n, _ in prev.others}
+            pb = {(pid, n) for pid, n, _ in cur.others}
+            who = [f"pid {pid} {n[:40]!r} came" for pid, n in sorted(pb - pa)]
+            who += [f"pid {pid} {n[:40]!r} left" for pid, n in sorted(pa - pb)]
+            for c in found:
+                if c["component"] == "other processes" and who:
                     c["who"] = who
+        out += found
     return out

@@ -234,11 +234,13 @@ class SamplerActor:
         w, nxt = self.sampler.ring.since(seq)
         return {"t_ns": w.t_ns, "used": w.used, "reserved": w.reserved, "lost": w.lost, "next": nxt}
 
-    def replay_from(self, origin_ns: int) -> None:
+    def replay_from(self, origin_ns: int, loop: bool = True) -> None:
         """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
-        (the job aligns every replayed GPU of a node after they have all started)."""
+        (the job aligns every replayed GPU of a node after they have all started); ``loop``
+        False plays the capture once and then holds its last value."""
         if not hasattr(self.device, "origin_ns"):
             raise TypeError("replay_from is for the replay backend")
+        self.device.loop = bool(loop)
         self.device.origin_ns = int(origin_ns)
 
     def inject_fault(self, kind: str, every: int = 1) -> None:

@@ -269,7 +269,7 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
         f"{g(a.cached_free)}; inactive split {g(a.inactive_split)})"
     )
     if a.unsplit is not None:
-        rest = f"outside torch, unsplit {g(a.unsplit)} (no per-process readings)"
+        rest = f"outside torch, unsplit {g(a.unsplit)} ({a.unsplit_why})"
     else:
         rest = (
             f"outside torch in this process {g(a.outside or 0)} + other processes "
@@ -298,11 +298,12 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     if unread and len(unread) < len(accs):
         gaps = (
             f"; no per-process reading describes the end of step(s) {_steps_text(unread)}, so "
-            "a change that falls there is not split"
+            "a change there is measured from the step before them"
         )
     for name, cs in by_component.items():
         steps = ", ".join(
             f"{'+' if c['delta'] > 0 else '−'}{g(abs(c['delta']))} at step {c['step']}"
+            + (f" (since step {c['since']}'s end)" if c["since"] != c["step"] - 1 else "")
             + (f" ({'; '.join(c['who'])})" if c.get("who") else "")
             for c in cs
         )
@@ -379,6 +380,19 @@ def _rule_steady(s: _Steps) -> list[Finding]:
             ) / n
         rates["NVML used"] = (ended[-1]["nvml_end_bytes"] - ended[0]["nvml_end_bytes"]) / n
         fastest = max(rates.values())
+        if fastest < STEADY_BYTES / n:  # it moves from step to step but does not grow
+            out.append(
+                Finding(
+                    "unsteady",
+                    f"No steady state: end-of-step memory moves by {STEADY_BYTES // MIB} MiB "
+                    f"or more between steps {ended[0]['step']}–{ended[-1]['step']} without "
+                    "growing over them (NVML "
+                    f"{g(ended[0]['nvml_end_bytes'])} at the first, "
+                    f"{g(ended[-1]['nvml_end_bytes'])} at the last).",
+                    {"first": ended[0]["step"], "last": ended[-1]["step"]},
+                )
+            )
+            return out
         pool = next(p for p in rates if rates[p] >= POOL_SHARE * fastest)
         why = {
             "torch allocated": "live tensors accumulate from step to step — something keeps "

@@ -40,13 +40,16 @@ class ReplayDriver:
 
     def align(self) -> int:
         """Restart playback on every replayed GPU so its capture time 0 falls at one monotonic
-        origin, chosen so the first recorded step starts in :data:`REPLAY_LEAD_S`. Returns it."""
+        origin, chosen so the first recorded step starts in :data:`REPLAY_LEAD_S`. Returns it.
+        Each capture plays once: after its end the GPU holds its last value (looping would
+        start the recorded process over right after its last step, and the sample after that
+        step's end mark would be the capture's first)."""
         first = min(
             (min((e["t_ns"] for e in c.events), default=0) for c in self.captures.values()),
             default=0,
         )
         origin = time.monotonic_ns() + int(REPLAY_LEAD_S * 1e9) - int(first / self.spec.speed)
-        ray.get([p.handle.replay_from.remote(origin) for p in self.placed], timeout=60)
+        ray.get([p.handle.replay_from.remote(origin, loop=False) for p in self.placed], timeout=60)
         self.origin_ns = origin
         return origin
 

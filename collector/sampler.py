@@ -323,6 +323,20 @@ def _error_of(end: StepEvent) -> str:
     return end.phase.removeprefix(ERROR_PREFIX) if end.phase.startswith(ERROR_PREFIX) else ""
 
 
+def _end_reading(ring: RingBuffer, end_ns: int, gap_ns: int) -> tuple[int, int, int] | None:
+    """The device at a step's end mark: the lower of the last sample at or before the mark and
+    the first one after it (when that comes within ``gap_ns``). Memory released just before the
+    mark shows only in the sample after it; memory allocated just after the mark is the next
+    step's, never this one's (the next step begins a few ms later)."""
+    before = ring.value_at(end_ns)
+    after = ring.value_after(end_ns)
+    if after is not None and after[0] - end_ns > gap_ns:
+        after = None
+    if before is None or after is None:
+        return before or after
+    return after if after[1] < before[1] else before
+
+
 class StepJoiner:
     """Pairs step events into windows and joins them with a sampler's ring into StepRecords.
 
@@ -415,9 +429,7 @@ class StepJoiner:
             edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
             if len(edges) > 1 and int(np.diff(edges).max()) > sampler.gap_threshold_ns:
                 gap = "stall"
-        at_end = ring.value_after(end.t_ns)
-        if at_end is None or at_end[0] - end.t_ns > sampler.gap_threshold_ns:
-            at_end = ring.value_at(end.t_ns)
+        at_end = _end_reading(ring, end.t_ns, sampler.gap_threshold_ns)
         # A step without samples has no NVML figures (None, never 0 bytes), its end reading
         # included: a sample taken after a step the sampler never saw says nothing about it.
         peak = peak_t = low = None

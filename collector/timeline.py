@@ -40,6 +40,7 @@ COLORS = {
     "outside torch, this process": "#c44e52",
     "other processes": "#dd8452",
     "no process (managed/UVM)": "#8172b3",
+    "outside torch (unsplit)": "#bcbcbc",
 }
 ACCOUNT = (
     "baseline",
@@ -47,6 +48,7 @@ ACCOUNT = (
     "outside torch, this process",
     "other processes",
     "no process (managed/UVM)",
+    "outside torch (unsplit)",  # a step whose per-process reading did not describe its end
 )
 
 

@@ -32,6 +32,8 @@ def _replay(capture: str, tmp_path: Path, result: bool = False):
 def _identity_holds(recs: list[dict]) -> list:
     accs = accounts(recs)
     assert accs, "no step has an account"
+    # the end reading is the step's own: never above its within-step peak
+    assert all(r["nvml_end_bytes"] <= r["nvml_peak_bytes"] for r in recs if r["samples"])
     for a in accs:  # the components are the device's used memory, to the byte
         assert sum(a.components().values()) == a.device_used
     return accs
@@ -99,7 +101,12 @@ def test_caching_allocator_off_is_said(ray_cluster, tmp_path):
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING" in f.text
     growing = next(f for f in fs if f.rule == "growing")
     assert "per-process readings it is outside torch, this process" in growing.text
-    _identity_holds(recs)
+    # 256 MiB a step, the last step included (its end is not the capture starting over)
+    assert growing.numbers["bytes_per_step"] == pytest.approx(256 << 20, rel=0.05)
+    accs = _identity_holds(recs)
+    # a snapshot taken after the next step's 256 MiB came is one unsplit figure, saying why
+    for a in accs:
+        assert a.unsplit is None or "moved 256 MiB" in a.unsplit_why
 
 
 @pytest.mark.ray
@@ -126,6 +133,45 @@ def test_without_per_process_readings_nothing_outside_torch_is_named():
     assert all(a.unsplit is not None for a in accounts(recs))
     nontorch = next(f for f in diagnose(recs) if f.rule == "nontorch")
     assert "cannot be split" in nontorch.text
+
+
+def _rec(step, used, procs, snap_used, reserved=GIB):
+    return {
+        "step": step,
+        "end_ns": step * 10**9,
+        "nvml_end_bytes": used,
+        "torch_begin": {"process_pid": 7},
+        "torch_end": {"reserved_bytes.all.current": reserved, "context_baseline_bytes": GIB // 2},
+        "processes": {"t_ns": step * 10**9 + 5 * 10**6, "device_used": snap_used, "procs": procs},
+    }
+
+
+def test_a_reading_taken_after_the_next_step_allocated_is_not_split_and_changes_skip_it():
+    """Step 2's per-process reading came after step 3 had allocated 300 MiB: that step is one
+    unsplit figure (with why), and the 4 GiB outside torch that step 2 added is measured from
+    step 1's end to step 3's, never against step 2's other baseline."""
+    mib = 1 << 20
+    recs = [
+        _rec(1, 3 * GIB, [[7, 2 * GIB, "train"]], 3 * GIB),
+        _rec(2, 7 * GIB, [[7, 6 * GIB + 300 * mib, "train"]], 7 * GIB + 300 * mib),
+        _rec(3, 7 * GIB, [[7, 6 * GIB, "train"]], 7 * GIB),
+    ]
+    a1, a2, a3 = accounts(recs)
+    assert a1.unsplit is None and a3.unsplit is None
+    assert a2.unsplit is not None and "moved 300 MiB" in a2.unsplit_why
+    for a in (a1, a2, a3):
+        assert sum(a.components().values()) == a.device_used
+    from collector.accounting import changes
+
+    (c,) = changes([a1, a2, a3])
+    assert (c["component"], c["step"], c["since"], c["delta"]) == (
+        "outside torch, this process",
+        3,
+        1,
+        4 * GIB,
+    )
+    text = _change(diagnose(recs), "outside torch, this process").text
+    assert "+4.00 GiB at step 3 (since step 1's end)" in text and "step(s) 2" in text
 
 
 def test_allocation_sites_from_the_h200_history():

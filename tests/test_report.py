@@ -193,6 +193,18 @@ def test_a_steady_leak_is_named_with_its_pool_and_rate():
     assert f["growing"].numbers["bytes_per_step"] == pytest.approx(200 * (1 << 20))
 
 
+def test_memory_that_moves_without_growing_is_not_called_a_leak():
+    # end-of-step NVML alternates by 512 MiB while torch stays flat: no pool grows
+    recs = [
+        step(i, 10 * GIB, 12 * GIB, 11 * GIB, nvml_end=13 * GIB + (i % 2) * 512 * (1 << 20))
+        for i in range(1, 9)
+    ]
+    f = {x.rule: x for x in diagnose(recs)}
+    assert "growing" not in f and "steady_state" not in f
+    assert "without growing" in f["unsteady"].text
+    assert (f["unsteady"].numbers["first"], f["unsteady"].numbers["last"]) == (1, 8)
+
+
 def test_a_jump_the_peak_does_not_explain_is_the_allocators():
     recs = [
         step(1, 10 * GIB, 12 * GIB, 11 * GIB),

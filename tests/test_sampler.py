@@ -122,13 +122,24 @@ def test_join_takes_peak_min_time_and_end_reading():
     assert rec.torch_allocated_peak_bytes == 9
 
 
-def test_end_reading_is_the_first_sample_after_the_end_mark():
+def test_end_reading_sees_a_release_just_before_the_end_mark():
     # A cache released just before the end mark shows in the first sample after it.
     j = joiner_with([(10 * MS, 5), (20 * MS, 90), (30 * MS, 5)])
     j.add(ev("begin", 1, 10 * MS))
     j.add(ev("end", 1, 25 * MS))
     (rec,) = j.poll()
     assert rec.nvml_peak_bytes == 90 and rec.nvml_end_bytes == 5
+
+
+def test_end_reading_never_holds_the_next_steps_first_allocation():
+    # step 2 begins 2 ms after step 1 ends and allocates at once: the first sample after
+    # step 1's end mark is step 2's, so step 1 ends at its last sample inside it
+    j = joiner_with([(10 * MS, 5), (20 * MS, 40), (27 * MS, 90), (40 * MS, 90)])
+    j.add(ev("begin", 1, 10 * MS))
+    j.add(ev("end", 1, 25 * MS))
+    j.add(ev("begin", 2, 26 * MS))
+    (rec,) = j.poll()
+    assert rec.nvml_end_bytes == 40 and rec.nvml_end_bytes <= rec.nvml_peak_bytes
 
 
 def test_a_step_is_joined_only_once_the_sampler_has_passed_its_end():
