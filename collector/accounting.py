@@ -35,7 +35,18 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Account", "account", "accounts", "allocator_mode", "changes", "outside_share"]
+__all__ = [
+    "Account",
+    "PeakSplit",
+    "account",
+    "accounts",
+    "allocator_mode",
+    "changes",
+    "locate",
+    "mark_points",
+    "outside_share",
+    "peak_split",
+]
 
 MIB = 1 << 20
 CHANGE_BYTES = 256 * MIB  # the smallest step-to-step change of a component reported
@@ -73,6 +84,7 @@ class Account:
     unsplit_why: str = ""  # why it is unsplit: no per-process reading, or one that moved
     remainder: int = 0
     read_after_ms: float | None = None  # the per-process reading's delay after the end mark
+    outside_all: int = 0  # everything outside torch's reserved pool beyond the probe's baseline
 
     @property
     def cached_free(self) -> int:
@@ -110,6 +122,7 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
         reserved=reserved,
         allocated=allocated,
         inactive_split=_t(r, "torch_end", "inactive_split_bytes.all.current") or 0,
+        outside_all=used - reserved - (_t(r, "torch_end", "context_baseline_bytes") or 0),
     )
     led = r.get("ledger") or {}
     if led:
@@ -198,11 +211,12 @@ def allocator_mode(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def changes(accs: list[Account], threshold: int = CHANGE_BYTES) -> list[dict[str, Any]]:
-    """Each component's change above ``threshold`` from one step's end to the next step's end
-    that is split the same way: the steps split into processes when any are (an unsplit step
-    has another baseline, so the two are never compared), else the unsplit ones. ``since``:
-    the step it is measured from (the step before, unless the steps between had no usable
-    per-process reading)."""
+    """Each component's change above ``threshold`` from one step's end to a later one's, in
+    step order. With per-process readings: between consecutive steps that have them (an
+    unsplit step has another baseline, so the two are never compared; ``since`` is the step
+    it is measured from), and, for a move outside torch that falls where no such pair covers
+    it, ``"outside torch (unsplit)"`` from one step to the next. Without any: every component
+    from one step to the next."""
     split = [a for a in accs if a.unsplit is None]
     out = []
     for prev, cur in itertools.pairwise(split or accs):
@@ -221,4 +235,128 @@ def changes(accs: list[Account], threshold: int = CHANGE_BYTES) -> list[dict[str
                 if c["component"] == "other processes" and who:
                     c["who"] = who
         out += found
-    return out
+    if split:
+        outside = [c for c in out if c["component"] != "torch reserved"]
+        for prev, cur in itertools.pairwise(accs):
+            d = cur.outside_all - prev.outside_all
+            if abs(d) > threshold and not any(c["since"] < cur.step <= c["step"] for c in outside):
+                out.append(
+                    {
+                        "step": cur.step,
+                        "since": prev.step,
+                        "component": "outside torch (unsplit)",
+                        "delta": d,
+                    }
+                )
+    return sorted(out, key=lambda c: c["step"])
+
+
+# -- inside a step: where a change happened, and what the within-step peak was made of --------
+
+
+def _outside_unsplit(nvml: int | None, reserved: int | None) -> int | None:
+    """Device memory outside torch's reserved pool (baseline included: it cancels out of every
+    difference taken here)."""
+    return None if nvml is None or reserved is None else nvml - reserved
+
+
+def mark_points(r: dict[str, Any]) -> list[tuple[str, int, int | None]]:
+    """(what opens here, t_ns, memory outside torch) at each mark of step ``r``: its begin (or
+    each phase's opening mark), then its end (``"end"``); none for a record without mark
+    times."""
+    pts: list[tuple[str, int, int | None]] = []
+    if r.get("begin_ns") is None or r.get("end_ns") is None:
+        return pts
+    for ph in r.get("phases") or []:
+        pts.append(
+            (
+                ph["phase"],
+                ph["begin_ns"],
+                _outside_unsplit(ph.get("nvml_begin_bytes"), ph.get("torch_reserved_begin_bytes")),
+            )
+        )
+    if not pts:
+        pts.append(
+            (
+                "step",
+                r["begin_ns"],
+                _outside_unsplit(
+                    r.get("nvml_begin_bytes"), _t(r, "torch_begin", "reserved_bytes.all.current")
+                ),
+            )
+        )
+    pts.append(
+        (
+            "end",
+            r["end_ns"],
+            _outside_unsplit(
+                r.get("nvml_end_bytes"), _t(r, "torch_end", "reserved_bytes.all.current")
+            ),
+        )
+    )
+    return pts
+
+
+def locate(change: dict[str, Any], by_step: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """Where between the end of step ``since`` and the end of step ``step`` the memory outside
+    torch moved by at least half of ``change["delta"]``: the first stretch between two marks
+    that did. ``{"step", "phase", "from_ns", "to_ns"}``; ``phase`` is ``"between steps"`` for
+    the stretch from the step before's end to this step's begin. None when the marks' readings
+    are missing or no single stretch holds half of it (it came in pieces)."""
+    prev = mark_points(by_step.get(change["since"]) or {})
+    if not prev:
+        return None
+    last = prev[-1]
+    half = abs(change["delta"]) / 2
+    sign = 1 if change["delta"] > 0 else -1
+    for s in range(change["since"] + 1, change["step"] + 1):
+        pts = mark_points(by_step.get(s) or {})
+        if not pts:
+            return None
+        opened = "between steps"
+        for name, t, v in pts:
+            if last[2] is not None and v is not None and (v - last[2]) * sign >= half:
+                return {"step": s, "phase": opened, "from_ns": last[1], "to_ns": t}
+            opened, last = name, (name, t, v)
+    return None
+
+
+@dataclass
+class PeakSplit:
+    """A step's within-step NVML peak, split: torch's reserved peak of the phase that holds it,
+    memory outside torch as at the step's end, and the rest: memory outside torch's allocator
+    that came and went inside the step (this process or another; per-process memory is read
+    at step ends only). Torch's figure is its peak over the phase, so ``transient_outside`` is
+    the least that can have been outside torch at the peak."""
+
+    step: int
+    peak: int
+    t_ns: int | None
+    phase: str | None
+    reserved_peak: int
+    outside_at_end: int
+    transient_outside: int
+
+
+def peak_split(r: dict[str, Any]) -> PeakSplit | None:
+    peak, end = r.get("nvml_peak_bytes"), r.get("nvml_end_bytes")
+    res_end = _t(r, "torch_end", "reserved_bytes.all.current")
+    if peak is None or end is None or res_end is None:
+        return None
+    t = r.get("nvml_peak_t_ns")
+    phase, res_peak = None, r.get("torch_reserved_peak_bytes")
+    for ph in r.get("phases") or []:
+        if t is not None and ph["begin_ns"] <= t <= ph["end_ns"]:
+            phase, res_peak = ph["phase"], ph.get("torch_reserved_peak_bytes", res_peak)
+            break
+    res_peak = max(int(res_peak or 0), res_end)
+    outside_end = end - res_end
+    return PeakSplit(
+        step=r["step"],
+        peak=peak,
+        t_ns=t,
+        phase=phase,
+        reserved_peak=res_peak,
+        outside_at_end=outside_end,
+        transient_outside=max(0, peak - res_peak - outside_end),
+    )

@@ -59,7 +59,12 @@ class SamplerActor:
         self.joiner = StepJoiner(self.sampler, processes=self._processes_for)
         self._baseline: int | None = None
         self.process_read_errors = 0
-        self._procs_cache: tuple[int, dict[str, Any]] | None = None
+        # live GPUs: per-process readings taken as memory moves (a replay has its snapshots)
+        self.procwatch = None
+        if self.device.backend == "nvml":
+            from collector.procwatch import ProcessWatch
+
+            self.procwatch = ProcessWatch(self.device, self.sampler)
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
         self.labels = gpu_labels(node_id, self.device.info, options.run_id, options.workload)
@@ -84,6 +89,8 @@ class SamplerActor:
             self.init_error = f"cannot serve /metrics on {addr}:{port}: {exc.strerror or exc}"
         else:
             self.sampler.start()
+            if self.procwatch is not None:
+                self.procwatch.start()
         self._stop = threading.Event()
         self._join_thread = threading.Thread(
             target=self._join_loop, name="stepmem-join", daemon=True
@@ -91,9 +98,9 @@ class SamplerActor:
         self._join_thread.start()
 
     def _processes_for(self, rec: Any) -> dict[str, Any] | None:
-        """:meth:`_processes_now` for a joined step, with ``baseline``: the smallest memory its
+        """:meth:`_processes_at` for a joined step, with ``baseline``: the smallest memory its
         process has held outside torch so far (for the live accounting series)."""
-        snap = self._processes_now(rec.end_ns)
+        snap = self._processes_at(rec.end_ns, rec.nvml_end_bytes)
         pid = (rec.torch_begin or {}).get("process_pid")
         reserved = (rec.torch_end or {}).get("reserved_bytes.all.current")
         if snap is None or pid is None or reserved is None:
@@ -103,27 +110,23 @@ class SamplerActor:
             self._baseline = v if self._baseline is None else min(self._baseline, v)
         return {**snap, "baseline": self._baseline}
 
-    def _processes_now(self, end_ns: int) -> dict[str, Any] | None:
+    def _processes_at(self, end_ns: int, end_used: int | None) -> dict[str, Any] | None:
         """NVML per-process memory for the step that ended at ``end_ns``, with the device's used
-        memory at the same moment: live NVML is read now (when the step is joined, shortly after
-        its end; one reading serves every step of a poll), a replay gives the capture's snapshot
+        memory at the same moment: a live GPU's reading nearest the end that saw the device as
+        the step left it (:class:`collector.procwatch.ProcessWatch`), a replay's snapshot
         nearest the end. Never in the sampling loop."""
-        now = time.monotonic_ns()
-        cached = self._procs_cache
-        if cached is not None and now - cached[0] < 20_000_000 and self.device.backend == "nvml":
-            return cached[1]
+        if self.procwatch is not None:
+            return self.procwatch.reading_for(end_ns, end_used)
         try:
             t, used, procs = self.device.processes_reading(end_ns)
         except Exception:  # an NVML error costs the accounting its split, nothing else
             self.process_read_errors += 1
             return None
-        snap = {
+        return {
             "t_ns": t,
             "device_used": used,
             "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
         }
-        self._procs_cache = (now, snap)
-        return snap
 
     def _join_loop(self) -> None:
         while not self._stop.wait(JOIN_INTERVAL_S):
@@ -266,6 +269,13 @@ class SamplerActor:
             "steps_pending": self.joiner.pending,
             "steps_joined": self.joiner.joined,
             "remote_write": self.writer.stats() if self.writer is not None else None,
+            # NVML per-process readings (the accounting's split): taken, and failed by error
+            "process_readings": {
+                "taken": self.procwatch.reads if self.procwatch is not None else None,
+                "errors": dict(self.procwatch.errors)
+                if self.procwatch is not None
+                else ({"read": self.process_read_errors} if self.process_read_errors else {}),
+            },
         }
 
     def stop(self) -> dict[str, Any]:
@@ -273,6 +283,8 @@ class SamplerActor:
         self.sampler.stop()
         self._stop.set()
         self._publish(self.joiner.poll(force=True), final=True)
+        if self.procwatch is not None:
+            self.procwatch.stop()
         if self.writer is not None:
             self.writer.mark_stale()  # the run is over: its series end now, not 5 min later
             self.writer.close()

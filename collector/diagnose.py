@@ -41,6 +41,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from collector.export.values import nontorch_bytes
+
 __all__ = ["Finding", "diagnose"]
 
 GIB = 1 << 30
@@ -72,13 +74,6 @@ def _size(n: float) -> str:
 def _te(r: dict[str, Any], key: str) -> int | None:
     v = (r.get("torch_end") or {}).get(key)
     return None if v is None else int(v)
-
-
-def _nontorch(r: dict[str, Any]) -> int | None:
-    res = _te(r, "reserved_bytes.all.current")
-    if res is None or r.get("nvml_end_bytes") is None:
-        return None
-    return r["nvml_end_bytes"] - res - (_te(r, "context_baseline_bytes") or 0)
 
 
 def _peak_phase(r: dict[str, Any]) -> str | None:
@@ -138,7 +133,7 @@ def _steady_from(recs: list[dict[str, Any]]) -> int | None:
     return start
 
 
-def _steps_text(steps: list[int]) -> str:
+def steps_text(steps: list[int]) -> str:
     """``[1, 2, 3, 7]`` as ``1–3, 7``."""
     parts, run = [], [steps[0]]
     for s in steps[1:]:
@@ -160,7 +155,7 @@ def _unmeasured(recs: list[dict[str, Any]]) -> Finding | None:
     return Finding(
         "unmeasured",
         f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
-        f"{_steps_text([r['step'] for r in missing])}; {', '.join(why)}): the sampler read "
+        f"{steps_text([r['step'] for r in missing])}; {', '.join(why)}): the sampler read "
         "nothing inside them — steps shorter than the sampling period (a replay sped up "
         "with --speed, a fast workload at a low --rate), a sampler starved of CPU, or NVML "
         "errors. Their NVML figures are unknown, not zero; the findings below leave them out.",
@@ -224,11 +219,22 @@ def _outside_growth(ended: list[dict[str, Any]]) -> str:
     )
 
 
+def _where(w: dict[str, Any] | None, by_step: dict[int, dict[str, Any]]) -> str:
+    """`` — in optimizer, 812–830 ms into step 3`` for a located change (empty if not)."""
+    if w is None:
+        return ""
+    if w["phase"] == "between steps":
+        return f" — between step {w['step'] - 1}'s end and step {w['step']}'s begin"
+    t0 = by_step[w["step"]]["begin_ns"]
+    span = f"{(w['from_ns'] - t0) / 1e6:.0f}–{(w['to_ns'] - t0) / 1e6:.0f} ms into step {w['step']}"
+    return f" — in {w['phase']}, {span}" if w["phase"] != "step" else f" — {span}"
+
+
 def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     """Rule 7: the allocator's mode, every byte of the last step's end, and each step-to-step
     change of what lies outside torch, from the accounting identity
     (:mod:`collector.accounting`)."""
-    from collector.accounting import accounts, allocator_mode, changes
+    from collector.accounting import accounts, allocator_mode, changes, locate
 
     out = []
     mode = allocator_mode(recs)
@@ -290,20 +296,25 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
         )
     )
     by_component: dict[str, list[dict[str, Any]]] = {}
+    by_step = {r["step"]: r for r in recs}
     for c in changes(accs):
         if c["component"] != "torch reserved":  # rule 2 explains reserved's jumps
+            where = locate(c, by_step)
+            if where is not None:
+                c["where"] = where
             by_component.setdefault(c["component"], []).append(c)
     unread = [x.step for x in accs if x.unsplit is not None]
     gaps = ""
     if unread and len(unread) < len(accs):
         gaps = (
-            f"; no per-process reading describes the end of step(s) {_steps_text(unread)}, so "
+            f"; no per-process reading describes the end of step(s) {steps_text(unread)}, so "
             "a change there is measured from the step before them"
         )
     for name, cs in by_component.items():
         steps = ", ".join(
             f"{'+' if c['delta'] > 0 else '−'}{g(abs(c['delta']))} at step {c['step']}"
             + (f" (since step {c['since']}'s end)" if c["since"] != c["step"] - 1 else "")
+            + _where(c.get("where"), by_step)
             + (f" ({'; '.join(c['who'])})" if c.get("who") else "")
             for c in cs
         )
@@ -376,7 +387,7 @@ def _rule_steady(s: _Steps) -> list[Finding]:
         }
         if has_torch:
             rates["outside the allocator"] = (
-                (_nontorch(ended[-1]) or 0) - (_nontorch(ended[0]) or 0)
+                (nontorch_bytes(ended[-1]) or 0) - (nontorch_bytes(ended[0]) or 0)
             ) / n
         rates["NVML used"] = (ended[-1]["nvml_end_bytes"] - ended[0]["nvml_end_bytes"]) / n
         fastest = max(rates.values())
@@ -499,7 +510,7 @@ def _rule_outside(s: _Steps) -> list[Finding]:
     ended = s.ended
     out: list[Finding] = []
     # 3. memory outside the allocator (at the last step whose end NVML reading exists)
-    nt = _nontorch(ended[-1]) if ended else None
+    nt = nontorch_bytes(ended[-1]) if ended else None
     if nt is not None:
         last_nt = ended[-1]
     if nt is not None:
@@ -573,22 +584,54 @@ def _rule_transients(s: _Steps) -> list[Finding]:
         > max(TRANSIENT_BYTES, 0.05 * r["nvml_end_bytes"])
     ]
     if spikes:
+        from collector.accounting import peak_split
+
         big = max(spikes, key=lambda r: r["nvml_peak_bytes"] - r["nvml_end_bytes"])
+        splits = [p for p in map(peak_split, spikes) if p is not None]
+        outside = [p for p in splits if p.transient_outside > JUMP_BYTES]
+        most = max(outside, key=lambda p: p.transient_outside) if outside else None
         out.append(
             Finding(
                 "transient",
                 f"{len(spikes)} of {len(peaked)} measured steps peak well above their end-of-step "
                 f"reading; the largest, step {big['step']}, rose "
                 f"{g(big['nvml_peak_bytes'] - big['nvml_end_bytes'])} above its end "
-                "reading and fell back inside the step.",
+                f"reading and fell back inside the step{_peak_text(big)}."
+                + (
+                    f" In {len(outside)} step(s) the peak held memory outside torch's allocator "
+                    "that was gone by the step's end (this process or another: per-process "
+                    f"memory is read at step ends only), up to at least "
+                    f"{g(most.transient_outside)} (step {most.step})."
+                    if most is not None
+                    else ""
+                ),
                 {
                     "steps": len(spikes),
                     "largest_step": big["step"],
                     "largest_bytes": big["nvml_peak_bytes"] - big["nvml_end_bytes"],
+                    "splits": [vars(p) for p in splits],
                 },
             )
         )
     return out
+
+
+def _peak_text(r: dict[str, Any]) -> str:
+    """``: at 812 ms, in optimizer; torch's reserved pool peaked 3.10 GiB above its end, and
+    0.50 GiB more lay outside torch's allocator`` for a step's within-step peak."""
+    from collector.accounting import peak_split
+
+    p = peak_split(r)
+    if p is None:
+        return ""
+    at = f"at {(p.t_ns - r['begin_ns']) / 1e6:.0f} ms" if p.t_ns is not None else ""
+    where = ", ".join(x for x in (at, f"in {p.phase}" if p.phase else "") if x)
+    res_end = _te(r, "reserved_bytes.all.current") or 0
+    text = f": {where}; " if where else ": "
+    text += f"torch's reserved pool peaked {g(p.reserved_peak - res_end)} above its end"
+    if p.transient_outside:
+        text += f", and at least {g(p.transient_outside)} more lay outside torch's allocator"
+    return text
 
 
 def _rule_headroom_and_failures(s: _Steps) -> list[Finding]:

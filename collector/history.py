@@ -72,15 +72,25 @@ class StepSites:
     kept_to_next: list[Site] = field(default_factory=list)  # made in this step, live after next
 
 
-def load(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The newest ``history-steps-*.pickle`` of ``folder`` and its ``marks.json``."""
-    snaps = sorted(folder.glob("history-steps-*.pickle"), key=lambda p: p.stat().st_mtime)
-    if not snaps:
+def load(folder: Path) -> list[tuple[int, int, dict[str, Any], list[dict[str, Any]]]]:
+    """Every ``history-steps-A-B.pickle`` of ``folder`` in step order, as (A, B, snapshot, the
+    marks of steps A–B from ``marks.json``)."""
+    found = []
+    for p in folder.glob("history-steps-*.pickle"):
+        try:
+            a, b = (int(x) for x in p.stem.removeprefix("history-steps-").split("-", 1))
+        except ValueError:
+            continue
+        found.append((a, b, p))
+    if not found:
         raise FileNotFoundError(f"no history snapshot in {folder}")
-    with open(snaps[-1], "rb") as f:
-        snap = pickle.load(f)
     marks = json.loads((folder / "marks.json").read_text())
-    return snap, marks
+    out = []
+    for a, b, p in sorted(found):
+        with open(p, "rb") as f:
+            snap = pickle.load(f)
+        out.append((a, b, snap, [m for m in marks if a <= m["step"] <= b]))
+    return out
 
 
 def _top(items: dict[str, list[int]], n: int) -> list[Site]:
@@ -95,6 +105,9 @@ def step_sites(
     those of memory it allocated that is still live at the end of the next step."""
     traces = snap.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
+    if marks:  # what an earlier recording left in PyTorch's trace is not these steps'
+        start = min(m["wall_us"] for m in marks)
+        trace = [e for e in trace if int(e.get("time_us", 0)) >= start]
     ends = {m["step"]: m["wall_us"] for m in marks if m["kind"] == "end"}
     begins = {m["step"]: m["wall_us"] for m in marks if m["kind"] == "begin"}
     bounds = sorted(
@@ -170,25 +183,39 @@ def _group(items: Iterable[tuple[int, str]], top: int) -> list[Site]:
 
 
 def summary(folder: Path, top: int = 8) -> dict[str, Any]:
-    """Everything the report shows of a history folder, as JSON-ready data."""
-    snap, marks = load(folder)
-    traces = snap.get("device_traces") or [[]]
-    t_us = [int(e.get("time_us", 0)) for e in traces[0]]
+    """Everything the report shows of a history folder, as JSON-ready data: each recorded step
+    (one of the first steps, or with ``after_jump`` > 0 the step after a jump of torch reserved
+    of that many bytes)."""
+    entries, steps = 0, []
+    t_all: list[int] = []
+    marks_all: list[dict[str, Any]] = []
+    for _, _, snap, marks in load(folder):
+        traces = snap.get("device_traces") or [[]]
+        start = min((m["wall_us"] for m in marks), default=0)
+        t_us = [t for e in traces[0] if (t := int(e.get("time_us", 0))) >= start]
+        entries += len(t_us)
+        t_all += [min(t_us), max(t_us)] if t_us else []
+        marks_all += marks
+        jumps = {m["step"]: m["after_jump"] for m in marks if m.get("after_jump")}
+        for r in step_sites(snap, marks, top=top):
+            steps.append(
+                {
+                    "step": r.step,
+                    # recorded as one of the first steps, or as the step after a jump of torch
+                    # reserved (its size, bytes, at the step before's end)
+                    "after_jump": jumps.get(r.step, 0),
+                    "peak_bytes": r.peak_bytes,
+                    "peak_phase": r.peak_phase,
+                    "at_peak": [s.__dict__ for s in r.at_peak],
+                    "at_end": [s.__dict__ for s in r.at_end],
+                    "kept_to_next": [s.__dict__ for s in r.kept_to_next],
+                }
+            )
     return {
-        "trace_entries": len(t_us),
-        "trace_time_us": [min(t_us), max(t_us)] if t_us else None,
-        "marks_time_us": [marks[0]["wall_us"], marks[-1]["wall_us"]] if marks else None,
-        "steps": [
-            {
-                "step": r.step,
-                "peak_bytes": r.peak_bytes,
-                "peak_phase": r.peak_phase,
-                "at_peak": [s.__dict__ for s in r.at_peak],
-                "at_end": [s.__dict__ for s in r.at_end],
-                "kept_to_next": [s.__dict__ for s in r.kept_to_next],
-            }
-            for r in step_sites(snap, marks, top=top)
-        ],
+        "trace_entries": entries,
+        "trace_time_us": [min(t_all), max(t_all)] if t_all else None,
+        "marks_time_us": [marks_all[0]["wall_us"], marks_all[-1]["wall_us"]] if marks_all else None,
+        "steps": steps,
     }
 
 

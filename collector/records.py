@@ -126,10 +126,12 @@ class StepRecord:
     """One step on one GPU: NVML samples joined with the step's begin/end events.
 
     NVML figures are device ``used`` (v2: without driver-reserved memory) over the samples taken
-    between ``begin_ns`` and ``end_ns`` inclusive. ``nvml_end_bytes`` is the first sample at or
-    after ``end_ns`` — the device once everything freed before the end mark is gone (the sample
-    before the mark may predate a final ``empty_cache``); it may include up to one sampling period
-    of the next step. Without such a sample (within the gap threshold) it is the last one before.
+    between ``begin_ns`` and ``end_ns`` inclusive. ``nvml_end_bytes`` (and ``nvml_begin_bytes``
+    at the begin mark, each phase's ``nvml_begin_bytes`` at its opening mark) is the lower of the
+    last sample at or before the mark and the first after it, if that came within 2 ms (or two
+    sampling periods): memory released just before the mark (a final ``empty_cache``) counts as
+    gone, memory the next step allocates just after it does not count, so the end reading never
+    exceeds the step's peak.
     A step without samples (``gap == "no_samples"``) has no NVML figures: peak, peak time,
     minimum and the end reading are None ("not measured", never 0 bytes).
     ``gap`` names why the window may have missed samples: ``""`` (none),
@@ -152,6 +154,7 @@ class StepRecord:
     nvml_end_bytes: int | None
     nvml_reserved_bytes: int | None
     gap: str = ""
+    nvml_begin_bytes: int | None = None
     torch_allocated_peak_bytes: int | None = None
     torch_reserved_peak_bytes: int | None = None
     torch_begin: dict[str, int] = field(default_factory=dict)

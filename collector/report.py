@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from collector.diagnose import Finding, diagnose, g
+from collector.diagnose import Finding, diagnose, g, steps_text
 from collector.errors import InputError
 from collector.export.values import nontorch_bytes
 
@@ -244,17 +244,23 @@ def _sites(folder: Path, console: Any, top: int = 3) -> None:
     if not steps:
         return
     console.print(
-        f"[bold]Allocation sites[/bold] (PyTorch's memory history, steps {steps[0]['step']}–"
-        f"{steps[-1]['step']}, {doc['trace_entries']:,} allocator events; open "
-        f"{folder}/*.pickle in https://pytorch.org/memory_viz)"
+        f"[bold]Allocation sites[/bold] (PyTorch's memory history, steps "
+        f"{steps_text([s['step'] for s in steps])}, {doc['trace_entries']:,} allocator events; "
+        f"open {folder}/*.pickle in https://pytorch.org/memory_viz)"
     )
 
     def fmt(rows: list[dict[str, Any]]) -> str:
         return "; ".join(f"{r['site']} {g(r['bytes'])} ({r['count']})" for r in rows) or "—"
 
     for s in steps:
+        why = (
+            f" (recorded because torch reserved jumped {g(s['after_jump'])} at step "
+            f"{s['step'] - 1}'s end)"
+            if s.get("after_jump")
+            else ""
+        )
         console.print(
-            f" • step {s['step']}: at its peak ({g(s['peak_bytes'])} traced, "
+            f" • step {s['step']}{why}: at its peak ({g(s['peak_bytes'])} traced, "
             f"{s['peak_phase'].replace('_', '/')}): {fmt(s['at_peak'])}"
         )
         if s["kept_to_next"]:

@@ -226,6 +226,12 @@ class Sampler:
         return self.rate.period_ns
 
     @property
+    def mark_window_ns(self) -> int:
+        """A sample taken this soon after a step mark still shows the device at the mark (a
+        release just before it); a later one may show what followed the mark."""
+        return max(2 * self.period_ns, 2_000_000)
+
+    @property
     def gap_threshold_ns(self) -> int:
         """Two samples further apart than this mark a ``stall`` in a step window."""
         return max(20 * self.period_ns, 20_000_000)
@@ -323,14 +329,14 @@ def _error_of(end: StepEvent) -> str:
     return end.phase.removeprefix(ERROR_PREFIX) if end.phase.startswith(ERROR_PREFIX) else ""
 
 
-def _end_reading(ring: RingBuffer, end_ns: int, gap_ns: int) -> tuple[int, int, int] | None:
-    """The device at a step's end mark: the lower of the last sample at or before the mark and
-    the first one after it (when that comes within ``gap_ns``). Memory released just before the
-    mark shows only in the sample after it; memory allocated just after the mark is the next
-    step's, never this one's (the next step begins a few ms later)."""
-    before = ring.value_at(end_ns)
-    after = ring.value_after(end_ns)
-    if after is not None and after[0] - end_ns > gap_ns:
+def _reading_at_mark(ring: RingBuffer, t_ns: int, window_ns: int) -> tuple[int, int, int] | None:
+    """The device at a step mark: the lower of the last sample at or before the mark and the
+    first one after it, when that came within ``window_ns`` (the sampler's mark window). Memory
+    released just before the mark shows only in the sample after it; memory allocated just
+    after the mark belongs to what follows it (at a step's end: the next step)."""
+    before = ring.value_at(t_ns)
+    after = ring.value_after(t_ns)
+    if after is not None and after[0] - t_ns > window_ns:
         after = None
     if before is None or after is None:
         return before or after
@@ -429,12 +435,13 @@ class StepJoiner:
             edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
             if len(edges) > 1 and int(np.diff(edges).max()) > sampler.gap_threshold_ns:
                 gap = "stall"
-        at_end = _end_reading(ring, end.t_ns, sampler.gap_threshold_ns)
+        at_end = _reading_at_mark(ring, end.t_ns, sampler.mark_window_ns)
+        at_begin = _reading_at_mark(ring, begin.t_ns, sampler.mark_window_ns)
         # A step without samples has no NVML figures (None, never 0 bytes), its end reading
         # included: a sample taken after a step the sampler never saw says nothing about it.
         peak = peak_t = low = None
         if not len(w):
-            at_end = None
+            at_end = at_begin = None
         else:
             k = int(np.argmax(w.used))
             peak, peak_t, low = int(w.used[k]), int(w.t_ns[k]), int(w.used.min())
@@ -448,6 +455,7 @@ class StepJoiner:
             nvml_peak_t_ns=peak_t,
             nvml_min_bytes=low,
             nvml_end_bytes=at_end[1] if at_end else None,
+            nvml_begin_bytes=at_begin[1] if at_begin else None,
             nvml_reserved_bytes=at_end[2] if at_end else None,
             gap=gap,
             torch_allocated_peak_bytes=_step_peak("allocated_bytes.all.peak", phases, end),
@@ -465,17 +473,24 @@ class StepJoiner:
         and carries the allocator peaks of the segment it closes."""
         if not marks:
             return []
-        starts = [(begin.t_ns, begin.phase or FIRST_PHASE), *((m.t_ns, m.phase) for m in marks)]
+        starts = [(begin, begin.phase or FIRST_PHASE), *((m, m.phase) for m in marks)]
         closers = [*marks, end]
+        ring, gap = self.sampler.ring, self.sampler.mark_window_ns
         out = []
-        for (t0, name), closer in zip(starts, closers, strict=True):
-            w = self.sampler.ring.window(t0, closer.t_ns)
+        for (opener, name), closer in zip(starts, closers, strict=True):
+            w = ring.window(opener.t_ns, closer.t_ns)
+            k = int(np.argmax(w.used)) if len(w) else None
+            at = _reading_at_mark(ring, opener.t_ns, gap) if len(w) else None
             out.append(
                 {
                     "phase": name,
-                    "begin_ns": t0,
+                    "begin_ns": opener.t_ns,
                     "end_ns": closer.t_ns,
-                    "nvml_peak_bytes": int(w.used.max()) if len(w) else None,
+                    "nvml_peak_bytes": None if k is None else int(w.used[k]),
+                    "nvml_peak_t_ns": None if k is None else int(w.t_ns[k]),
+                    # the device and torch's reserved pool at the mark that opens the phase
+                    "nvml_begin_bytes": at[1] if at else None,
+                    "torch_reserved_begin_bytes": opener.torch.get("reserved_bytes.all.current"),
                     "torch_allocated_peak_bytes": closer.torch.get("allocated_bytes.all.peak", 0),
                     "torch_reserved_peak_bytes": closer.torch.get("reserved_bytes.all.peak", 0),
                 }

@@ -79,6 +79,7 @@ def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
             "nvml_min_bytes",
             "nvml_end_bytes",
             "nvml_reserved_bytes",
+            "nvml_begin_bytes",
             "torch_allocated_peak_bytes",
             "torch_reserved_peak_bytes",
         )

@@ -53,8 +53,13 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     _identity_holds(recs)
     fs = diagnose(recs)
     change = _change(fs, "outside torch, this process")
-    first = change.numbers["changes"][0]
+    first, gone = change.numbers["changes"]
     assert first["step"] == 3 and first["delta"] / GIB == pytest.approx(4.0, abs=0.05)
+    assert first["where"]["step"] == 3 and first["where"]["phase"] == "step"  # inside step 3
+    # freed when step 6 begins: found between step 5's end and step 6's begin (step 5's own
+    # per-process snapshot came after the free, so that step is unsplit)
+    assert gone["delta"] / GIB == pytest.approx(-4.0, abs=0.05)
+    assert gone["where"] == {**gone["where"], "step": 6, "phase": "between steps"}
     assert all(c["component"] != "other processes" for c in change.numbers["changes"])
     # the live series (/metrics, remote write): the sampler's baseline so far, summing to NVML
     from collector.export.values import step_values
@@ -89,6 +94,7 @@ def test_a_second_process_on_the_gpu_is_named_when_it_comes_and_goes(ray_cluster
     assert cs[0]["delta"] / GIB == pytest.approx(2.6, abs=0.1) and cs[1]["delta"] < 0
     assert "came" in cs[0]["who"][0] and "python -c" in cs[0]["who"][0]
     assert "left" in cs[1]["who"][0]
+    assert cs[0]["where"]["step"] == 3 and cs[1]["where"]["step"] == 6
 
 
 @pytest.mark.ray
@@ -174,6 +180,26 @@ def test_a_reading_taken_after_the_next_step_allocated_is_not_split_and_changes_
     assert "+4.00 GiB at step 3 (since step 1's end)" in text and "step(s) 2" in text
 
 
+def test_a_change_before_the_first_split_step_is_still_found_unsplit():
+    """Steps 1–2 have no usable per-process reading; 4 GiB outside torch come at step 3: the
+    change is reported as memory outside torch (unsplit), not lost for want of a split pair."""
+    recs = [
+        _rec(1, 3 * GIB, [], 3 * GIB),
+        _rec(2, 3 * GIB, [], 3 * GIB),
+        _rec(3, 7 * GIB, [[7, 6 * GIB, "train"]], 7 * GIB),
+        _rec(4, 7 * GIB, [[7, 6 * GIB, "train"]], 7 * GIB),
+    ]
+    from collector.accounting import changes
+
+    (c,) = changes(accounts(recs))
+    assert (c["component"], c["step"], c["since"], c["delta"]) == (
+        "outside torch (unsplit)",
+        3,
+        2,
+        4 * GIB,
+    )
+
+
 def test_allocation_sites_from_the_h200_history():
     """The small paged run's history: bitsandbytes' init_state allocates in step 1 what is still
     live at the end of step 2; activations come from the Llama forward."""
@@ -241,3 +267,47 @@ def test_the_probe_reads_the_allocator_mode_from_the_environment(monkeypatch):
     assert m["allocator_expandable_segments"] == 1 and m["allocator_caching_disabled"] == 0
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert mode()["allocator_caching_disabled"] == 1
+
+
+def test_history_records_the_first_steps_and_the_step_after_a_jump(tmp_path, monkeypatch):
+    """The probe's history recorder (torch's recorder faked: CI has no GPU; on the H200 it is
+    the real one): steps 1–3 in one snapshot, nothing for steps 4–6, then the step after a
+    jump of torch reserved, at most HISTORY_JUMPS times; the summary says why each was kept."""
+    import pickle
+
+    import torch
+
+    from collector import history
+    from collector.probe.core import HISTORY_JUMPS, _History
+
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_record_memory_history",
+        lambda enabled=None, **kw: calls.append(enabled),
+    )
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [[]]})
+    h = _History(tmp_path, steps=3)
+    reserved = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 3, 7: 3, 8: 4, 9: 4, 10: 5, 11: 5}  # GiB
+    for step in range(1, 12):
+        h.begin(step)
+        h.end(step, reserved[step] * GIB)
+    assert not h.errors
+    names = sorted(p.name for p in tmp_path.glob("history-steps-*.pickle"))
+    # jumps at the ends of steps 6, 8 and 10: steps 7 and 9 recorded, not 11 (HISTORY_JUMPS)
+    assert HISTORY_JUMPS == 2
+    assert names == [
+        "history-steps-1-3.pickle",
+        "history-steps-7-7.pickle",
+        "history-steps-9-9.pickle",
+    ]
+    assert calls == ["all", None] * 3  # started and stopped once per snapshot, never left on
+    assert pickle.loads((tmp_path / names[1]).read_bytes()) == {"device_traces": [[]]}
+    doc = history.summary(tmp_path)
+    assert [(s["step"], s["after_jump"]) for s in doc["steps"]] == [
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (7, GIB),
+        (9, GIB),
+    ]

@@ -123,12 +123,22 @@ def test_join_takes_peak_min_time_and_end_reading():
 
 
 def test_end_reading_sees_a_release_just_before_the_end_mark():
-    # A cache released just before the end mark shows in the first sample after it.
-    j = joiner_with([(10 * MS, 5), (20 * MS, 90), (30 * MS, 5)])
+    # A cache released just before the end mark shows in the first sample after it (1 ms on)
+    j = joiner_with([(10 * MS, 5), (20 * MS, 90), (26 * MS, 5)])
     j.add(ev("begin", 1, 10 * MS))
     j.add(ev("end", 1, 25 * MS))
     (rec,) = j.poll()
     assert rec.nvml_peak_bytes == 90 and rec.nvml_end_bytes == 5
+
+
+def test_a_late_sample_after_the_end_mark_is_not_the_end_reading():
+    # a stalled sampler's first sample after the mark comes 12 ms late, after a release that
+    # followed the mark: the end reading is the last sample inside the step
+    j = joiner_with([(10 * MS, 5), (20 * MS, 90), (37 * MS, 5)])
+    j.add(ev("begin", 1, 10 * MS))
+    j.add(ev("end", 1, 25 * MS))
+    (rec,) = j.poll()
+    assert rec.nvml_end_bytes == 90
 
 
 def test_end_reading_never_holds_the_next_steps_first_allocation():
@@ -299,3 +309,55 @@ def test_records_are_read_safely_while_the_join_thread_polls():
     t.join()
     assert not errors
     assert seen == list(range(1, steps + 1))
+
+
+class _ProcsDevice:
+    """Per-process readings of a fake GPU whose used memory the test sets."""
+
+    uuid = "GPU-test"
+    backend = "nvml"
+
+    def __init__(self):
+        self.used, self.calls, self.fail = 100 * MIB, 0, False
+
+    def processes_reading(self, t_ns):
+        from collector.nvml import ProcessMemory
+
+        self.calls += 1
+        if self.fail:
+            raise NvmlUnknown("injected")
+        return t_ns, self.used, [ProcessMemory(pid=7, used_bytes=self.used, name="train")]
+
+
+MIB = 1 << 20
+
+
+def test_process_watch_reads_when_memory_moves_and_serves_the_reading_that_fits_a_step_end():
+    from collector.procwatch import ProcessWatch
+
+    dev = _ProcsDevice()
+    s = Sampler(CountingDevice(), rate=1000, capacity=64)
+    w = ProcessWatch(dev, s, heartbeat_s=3600)
+
+    def sample(used):
+        t = time.monotonic_ns()
+        s.ring.append(t, used, 0)
+        return t
+
+    sample(100 * MIB)
+    assert w.poll()  # the first reading
+    sample(101 * MIB)
+    assert not w.poll()  # moved less than a page: nothing read
+    end1 = sample(100 * MIB)  # step 1 ends here
+    dev.used = 600 * MIB
+    sample(600 * MIB)  # the next step allocates 500 MiB
+    assert w.poll() and dev.calls == 2
+    # step 1 ended with 100 MiB used: the reading before its end fits, not the one after
+    r = w.reading_for(end1, 100 * MIB)
+    assert r["device_used"] == 100 * MIB and r["procs"] == [[7, 100 * MIB, "train"]]
+    # a step that ended with 600 MiB used just before the reading: the one after fits
+    assert w.reading_for(end1, 600 * MIB)["device_used"] == 600 * MIB
+    # an NVML error is counted, and costs nothing else
+    dev.fail = True
+    sample(900 * MIB)
+    assert not w.poll() and w.errors == {"NvmlUnknown": 1} and w.reads == 2

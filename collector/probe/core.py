@@ -66,6 +66,8 @@ EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 HISTORY_STEPS = 3  # steps recorded with allocation stacks when a history folder is given
 HISTORY_MAX_ENTRIES = 200_000  # trace entries PyTorch keeps (a ring); older ones are dropped
+HISTORY_JUMP_BYTES = 256 << 20  # a jump of torch reserved this large gets its next step recorded
+HISTORY_JUMPS = 2  # steps recorded after jumps, at most, in a run
 
 
 def allocator_mode() -> dict[str, int]:
@@ -384,6 +386,7 @@ class StepProbe:
         self._baseline: dict[Any, int] = {}
         self._mode: dict[str, int] = {}
         self._ledger_cache = LedgerCache()
+        self._end_reserved: int | None = None  # torch reserved at the last end, all devices
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -477,6 +480,7 @@ class StepProbe:
     def _mark(self, kind: str, step: int, phase: str = "") -> None:
         t0 = time.perf_counter_ns()
         ledgers = self._ledger(step) if kind == "end" else {}
+        reserved = 0
         for d in self.devices:
             t = self._clock()
             torch_stats = self._read(d)
@@ -499,6 +503,8 @@ class StepProbe:
             d_ev = self.outbox.put(ev)
             if kind == "end":
                 self.records.append({"device": str(d), "begin_ns": self._begin_t, **d_ev})
+                reserved += torch_stats.get("reserved_bytes.all.current", 0)
+        self._end_reserved = reserved if kind == "end" and self._cuda else None
         self._step_cost += time.perf_counter_ns() - t0
 
     # -- the step contract -------------------------------------------------------------------
@@ -531,7 +537,7 @@ class StepProbe:
             return
         self._mark("end", self.step_index)
         if self.history is not None:
-            self.history.end(self.step_index)
+            self.history.end(self.step_index, self._end_reserved)
         self.step_index = None
         t0 = time.perf_counter_ns()
         self.outbox.maybe_flush()
@@ -571,9 +577,12 @@ class _History:
     (``torch.cuda.memory._record_memory_history``) for the first ``steps`` steps, saved as one
     snapshot when they end (``history-steps-A-B.pickle``, open it in PyTorch's memory_viz) with
     the wall-clock time of each step mark (``marks.json``), so each allocation is placed in its
-    step and phase; and a snapshot when the allocator runs out of memory (``oom-step-N.pickle``).
-    Recording then stops: the steps after the first ``steps`` pay nothing. Never raises into
-    training; what failed is counted in ``errors``."""
+    step and phase. After that, when torch's reserved memory jumps by more than
+    :data:`HISTORY_JUMP_BYTES` from one step's end to the next, the step after it is recorded
+    too (``history-steps-N-N.pickle``; at most :data:`HISTORY_JUMPS` of them a run). And a
+    snapshot when the allocator runs out of memory (``oom-step-N.pickle``). Between recordings
+    nothing is recorded and the steps pay nothing. Never raises into training; what failed is
+    counted in ``errors``."""
 
     def __init__(self, folder: Path, steps: int) -> None:
         self.folder, self.steps = folder, max(0, steps)
@@ -583,6 +592,12 @@ class _History:
         self.saved: list[str] = []
         self.errors: Counter[str] = Counter()
         self.cost_ns = 0  # time spent starting, snapshotting and stopping (not per allocation)
+        self.window_done = self.steps == 0  # the first steps' recording is over
+        self.jumps_left = HISTORY_JUMPS
+        self.armed: int | None = None  # the step to record after a jump
+        self.armed_jump = 0  # that jump, bytes
+        self.recorded_from: int | None = None  # first step of the recording in progress
+        self._reserved: int | None = None  # torch reserved at the last step's end
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter_ns()
@@ -596,8 +611,10 @@ class _History:
             self.cost_ns += time.perf_counter_ns() - t0
 
     def begin(self, step: int) -> None:
-        if self.first is None and self.steps:
-            self.first = step
+        if (self.first is None and self.steps) or (step == self.armed and not self.recording):
+            if self.first is None:
+                self.first = step
+            self.armed = None
 
             def start() -> None:
                 import torch
@@ -607,22 +624,47 @@ class _History:
                     enabled="all", context="all", stacks="python", max_entries=HISTORY_MAX_ENTRIES
                 )
                 self.recording = True
+                self.recorded_from = step
 
             self._guard("start", start)
-        self.mark(step, "begin")
+        jump, self.armed_jump = self.armed_jump, 0
+        self.mark(step, "begin", **({"after_jump": jump} if jump else {}))
 
-    def mark(self, step: int, kind: str, phase: str = "") -> None:
+    def mark(self, step: int, kind: str, phase: str = "", **extra: Any) -> None:
         if self.recording:
             self.marks.append(
-                {"step": step, "kind": kind, "phase": phase, "wall_us": time.time_ns() // 1000}
+                {
+                    "step": step,
+                    "kind": kind,
+                    "phase": phase,
+                    "wall_us": time.time_ns() // 1000,
+                    **extra,
+                }
             )
 
-    def end(self, step: int) -> None:
-        self.mark(step, "end")
-        if self.recording and self.first is not None and step >= self.first + self.steps - 1:
-            name = f"history-steps-{self.first}-{step}.pickle"
-            self._guard("snapshot", lambda: self._save(name))
-            self._guard("stop", self._stop)
+    def end(self, step: int, reserved: int | None = None) -> None:
+        """``reserved``: torch's reserved bytes at this end (all devices), to find jumps."""
+        jump = (
+            reserved - self._reserved if reserved is not None and self._reserved is not None else 0
+        )
+        self._reserved = reserved if reserved is not None else self._reserved
+        self.mark(step, "end", reserved_jump=jump)
+        first = self.recorded_from
+        if self.recording and first is not None:
+            if not self.window_done and step >= first + self.steps - 1:
+                self.window_done = True
+                self._save_and_stop(first, step)
+            elif self.window_done:  # the step after a jump
+                self._save_and_stop(first, step)
+        elif self.window_done and jump > HISTORY_JUMP_BYTES and self.jumps_left > 0:
+            self.jumps_left -= 1
+            self.armed, self.armed_jump = step + 1, jump  # record the next step
+
+    def _save_and_stop(self, first: int, last: int) -> None:
+        name = f"history-steps-{first}-{last}.pickle"
+        self._guard("snapshot", lambda: self._save(name))
+        self._guard("stop", self._stop)
+        self.recorded_from = None
 
     def _stop(self) -> None:
         import torch
