@@ -282,7 +282,12 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
             f"{g(a.other_processes)} + no process (managed/UVM) {g(a.no_process or 0)} + "
             f"remainder {g(a.remainder)}"
             + (
-                f" (per-process read {a.read_after_ms:.0f} ms after the end mark)"
+                (
+                    f" (per-process reading taken {a.read_after_ms:.0f} ms after the end mark)"
+                    if a.read_after_ms >= 0
+                    else f" (per-process reading taken {-a.read_after_ms:.0f} ms before the end "
+                    "mark, the last time device memory moved)"
+                )
                 if a.read_after_ms is not None
                 else ""
             )

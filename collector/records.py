@@ -7,7 +7,7 @@ a sampler's NVML sample can be compared directly).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -148,11 +148,11 @@ class StepRecord:
     begin_ns: int
     end_ns: int
     samples: int
-    nvml_peak_bytes: int | None
-    nvml_peak_t_ns: int | None
-    nvml_min_bytes: int | None
-    nvml_end_bytes: int | None
-    nvml_reserved_bytes: int | None
+    nvml_peak_bytes: int | None = None
+    nvml_peak_t_ns: int | None = None
+    nvml_min_bytes: int | None = None
+    nvml_end_bytes: int | None = None
+    nvml_reserved_bytes: int | None = None
     gap: str = ""
     nvml_begin_bytes: int | None = None
     torch_allocated_peak_bytes: int | None = None
@@ -172,3 +172,14 @@ class StepRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
+        """A record from :meth:`to_dict`'s form (a records file, a store row unflattened);
+        fields this version does not know are left out, missing optional ones take their
+        defaults."""
+        names = {f.name for f in fields(cls)}
+        missing = [k for k in ("gpu_uuid", "step", "begin_ns", "end_ns", "samples") if k not in d]
+        if missing:
+            raise ValueError(f"a step record needs {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -113,26 +113,6 @@ class Run:
         }
 
 
-def _unflatten(row: dict[str, Any]) -> dict[str, Any]:
-    rec: dict[str, Any] = {"torch_end": {}, "torch_begin": {}, "ledger": {}}
-    for k, v in row.items():
-        if isinstance(v, float) and math.isnan(v):
-            continue
-        if k.startswith("torch_end."):
-            rec["torch_end"][k.removeprefix("torch_end.")] = int(v)
-        elif k.startswith("torch_begin."):
-            rec["torch_begin"][k.removeprefix("torch_begin.")] = int(v)
-        elif k.startswith("ledger."):
-            rec["ledger"][k.removeprefix("ledger.")] = int(v)
-        elif k in ("phases", "processes"):
-            rec[k] = json.loads(v)
-        else:
-            v = v.item() if hasattr(v, "item") else v
-            # an integer column with a missing value reads back as floats
-            rec[k] = int(v) if isinstance(v, float) and v.is_integer() else v
-    return rec
-
-
 def load_run(path: str | Path) -> Run:
     """Read a run directory or a records JSON. Raises ``ValueError`` naming what is wrong."""
     path = Path(path)
@@ -141,8 +121,7 @@ def load_run(path: str | Path) -> Run:
 
         store = RunStore(path)
         check_meta(store.meta, str(path / "meta.json"))
-        steps = store.steps()
-        records = [] if steps is None else [_unflatten(r) for r in steps.to_dict("records")]
+        records = [r.to_dict() for r in store.records()]
         run = Run(path.name, store.meta, check_records(records, str(path / "steps")))
         run.root = path
         return run

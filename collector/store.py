@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections import Counter
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.errors import StepmemError
+from collector.records import StepRecord
 
 __all__ = ["RunStore", "RunWriter", "StoreError", "flatten_record"]
 
@@ -93,6 +95,28 @@ def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
     row["phases"] = json.dumps(rec.get("phases") or [])
     row["processes"] = json.dumps(rec.get("processes") or {})
     return row
+
+
+def unflatten_record(row: dict[str, Any]) -> dict[str, Any]:
+    """A flat row (:func:`flatten_record`) back as a record dict; a missing value (NaN, a
+    column other rows have) is left out."""
+    rec: dict[str, Any] = {"torch_end": {}, "torch_begin": {}, "ledger": {}}
+    for k, v in row.items():
+        if isinstance(v, float) and math.isnan(v):
+            continue
+        if k.startswith("torch_end."):
+            rec["torch_end"][k.removeprefix("torch_end.")] = int(v)
+        elif k.startswith("torch_begin."):
+            rec["torch_begin"][k.removeprefix("torch_begin.")] = int(v)
+        elif k.startswith("ledger."):
+            rec["ledger"][k.removeprefix("ledger.")] = int(v)
+        elif k in ("phases", "processes"):
+            rec[k] = json.loads(v)
+        else:
+            v = v.item() if hasattr(v, "item") else v
+            # an integer column with a missing value reads back as floats
+            rec[k] = int(v) if isinstance(v, float) and v.is_integer() else v
+    return rec
 
 
 class RunWriter:
@@ -253,6 +277,16 @@ class RunStore:
 
     def samples(self, gpu_uuid: str) -> Any:
         return self._read(self.root / "samples" / gpu_uuid)
+
+    def records(self) -> list[StepRecord]:
+        """The run's step records, typed, in (GPU, step) order."""
+        df = self.steps()
+        if df is None:
+            return []
+        try:
+            return [StepRecord.from_dict(unflatten_record(r)) for r in df.to_dict("records")]
+        except ValueError as exc:
+            raise StoreError(f"{self.root / 'steps'}: {exc}") from None
 
     def steps(self) -> Any:
         df = self._read(self.root / "steps")

@@ -124,3 +124,18 @@ def test_write_failures_are_counted_and_never_raised(tmp_path, caplog, record_fa
         parts_not_written_counted=w.write_errors["steps"],
         samples_written=w.rows_written["samples"],
     )
+
+
+def test_records_read_back_typed(tmp_path):
+    """RunStore.records(): the StepRecords written, typed, the same (a step without NVML
+    samples keeps None, not 0 or NaN)."""
+    from collector.records import StepRecord
+
+    unmeasured = {**record(3), "nvml_peak_bytes": None, "nvml_end_bytes": None, "samples": 0}
+    written = [StepRecord.from_dict(r) for r in (record(1), record(2), unmeasured)]
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_records([r.to_dict() for r in written])
+    w.close("completed")
+    back = RunStore(tmp_path / "run").records()
+    assert back == written
+    assert back[2].nvml_peak_bytes is None and back[2].nvml_end_bytes is None

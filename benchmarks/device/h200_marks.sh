@@ -4,6 +4,7 @@
 # between marks, per-process readings joined live (NVML read at join time), the within-step peak
 # split, and the allocation history of the step after a jump of torch reserved.
 #   1. outside: 4 GiB cuMemAlloc in the training process from step 3 until step 6 begins
+#   1b. neighbour: a second process holding 2 GiB from step 3 until step 6
 #   2. leak: 512 MiB of live tensors kept every step (torch reserved jumps each step), with the
 #      allocation history (first 3 steps + the steps after jumps)
 #   3. small Llama fine-tune, paged_adamw_8bit, watched (phases forward_backward / optimizer)
@@ -25,6 +26,7 @@ run() {  # run NAME -- stepmem run arguments (live NVML, the run store under $OU
   ls -la "$OUT/history/$name" >> "$OUT/$name.log" 2>&1
 }
 run outside -- --workload patterns -- --pattern outside --steps 8 --extra-mib 4096
+run neighbour -- --workload patterns -- --pattern neighbour --steps 8 --extra-mib 2048
 run leak -- --workload patterns -- --pattern leak --steps 10 --leak-mib 512
 run paged -- --workload finetune -- --size small --optim paged_adamw_8bit --steps 6 --seq-len 1024
 find "$OUT/history" -name "*.pickle" -size +20M -delete  # keep what can come back
