@@ -9,12 +9,16 @@ in order:
    still growing: by how much per step, in which pool. The pool named is the most specific one
    that grows at least ``POOL_SHARE`` of the fastest rate, in the order torch allocated (live
    tensors kept from step to step: a leak), torch reserved (the allocator's cache), outside the
-   allocator, NVML used. Rules 1, 2 and 4 read the steps that ended; a failed step is rule 6's.
+   allocator, NVML used; memory that moves from step to step without growing over the run is
+   said to be unsteady, not a leak. Rules 1, 2 and 4 read the steps that ended; a failed step is
+   rule 6's.
 2. **Jumps before it** — every end-of-step *reserved* increase above ``JUMP_BYTES``. A jump is
    *explained by the peak* when the step's within-step allocated peak grew by about as much
    (within ``MATCH_FRACTION`` or ``MATCH_BYTES``): the allocator reserved the higher peak for good.
    The ledger then says which state appeared in the previous step (the largest ledger growth) and
-   the phase peaks say where the new peak falls. A jump that torch *allocated* at step end grew
+   the phase peaks say where the new peak falls; without a ledger, torch allocated from the
+   previous step's begin to its end says how much it created and kept. A jump that torch
+   *allocated* at step end grew
    by as much is memory kept alive past the step (a leak); consecutive ones are one finding.
    A jump that neither explains is attributed to the allocator (new segments, inactive split
    blocks), not to new state.
@@ -24,7 +28,9 @@ in order:
 4. **Cache and fragmentation** — reserved − allocated at the last step's end and peak, inactive
    split bytes, allocator retries.
 5. **Transients** — steps whose NVML within-step peak exceeds their end-of-step reading by more
-   than ``TRANSIENT_BYTES`` (and 5 %): memory that came and went inside the step.
+   than ``TRANSIENT_BYTES`` (and 5 %): memory that came and went inside the step; the largest
+   peak is split (:func:`collector.accounting.peak_split`) into torch's reserved peak in the
+   phase that holds it and memory outside torch that came and went, with its time and phase.
 6. **Headroom and OOM** — the largest peak against the card's capacity; a step in which the
    allocator counted an OOM or that failed with ``OutOfMemoryError``, with its NVML peak, the
    previous step's, and what the allocator held when it failed; a step that failed otherwise,
@@ -32,7 +38,9 @@ in order:
 7. **Accounting** — the allocator's mode (caching off, expandable segments); every byte of the
    last step's end by the identity of :mod:`collector.accounting`; each step-to-step change of
    a component outside torch (this process, other processes by pid and name, memory no process
-   is charged for). Rule 3 uses the same split and names no cause it has no reading for.
+   is charged for), each placed between two step marks (phase, ms into the step:
+   :func:`collector.accounting.locate`). Rule 3 uses the same split and names no cause it has no
+   reading for.
 """
 
 from __future__ import annotations
@@ -493,6 +501,8 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
                             text += f", whose peak falls in its {phase.replace('_', '/')} phase"
                             nums["peak_phase"] = phase
                         text += "."
+                elif not prev.get("ledger"):
+                    text += _kept_without_ledger(prev, cur, nums)
                 nums["cause"] = "peak"
             else:
                 seg = (_te(cur, "segment.all.current") or 0) - (
@@ -508,6 +518,23 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
             out.append(Finding("jump", text, nums))
         _flush_live(live, out)
     return out
+
+
+def _kept_without_ledger(prev: dict[str, Any], cur: dict[str, Any], nums: dict[str, Any]) -> str:
+    """Without a ledger, what the allocator itself shows: live tensors that step ``prev``
+    created and kept (allocated at its end minus at its begin)."""
+    a0 = (prev.get("torch_begin") or {}).get("allocated_bytes.all.current")
+    a1 = _te(prev, "allocated_bytes.all.current")
+    if a0 is None or a1 is None or a1 - a0 <= JUMP_BYTES:
+        return ""
+    nums["kept_by_step"] = a1 - a0
+    return (
+        f" Torch allocated grew {g(a1 - a0)} from step {prev['step']}'s begin to its end: live "
+        f"tensors created in step {prev['step']} and kept, resident during step "
+        f"{cur['step']}'s peak (optimizer state created by the first optimizer step is the "
+        "usual case). There is no ledger to name them: give the probe the model and optimizer "
+        "(probe.watch) for that, or read the allocation history for the line."
+    )
 
 
 def _rule_outside(s: _Steps) -> list[Finding]:

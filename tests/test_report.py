@@ -205,6 +205,22 @@ def test_memory_that_moves_without_growing_is_not_called_a_leak():
     assert (f["unsteady"].numbers["first"], f["unsteady"].numbers["last"]) == (1, 8)
 
 
+def test_without_a_ledger_the_state_a_step_kept_is_read_from_the_allocator():
+    # the seed case unwatched: step 1 creates 13 GiB of optimizer state that stays live;
+    # step 2's peak is higher by as much, and reserved jumps
+    recs = [
+        step(1, 15 * GIB, 20 * GIB, 17 * GIB),
+        step(2, 15 * GIB, 33 * GIB, 30 * GIB),
+        step(3, 15 * GIB, 33 * GIB, 30 * GIB),
+    ]
+    for r in recs:
+        r["ledger"] = {}
+    recs[0]["torch_begin"] = {"allocated_bytes.all.current": 2 * GIB}
+    (jump,) = [f for f in diagnose(recs) if f.rule == "jump"]
+    assert jump.numbers["cause"] == "peak" and jump.numbers["kept_by_step"] == 13 * GIB
+    assert "created in step 1 and kept" in jump.text and "probe.watch" in jump.text
+
+
 def test_a_jump_the_peak_does_not_explain_is_the_allocators():
     recs = [
         step(1, 10 * GIB, 12 * GIB, 11 * GIB),
