@@ -520,6 +520,24 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
     return out
 
 
+def _nvml_peak_phase(r: dict[str, Any]) -> str | None:
+    """The phase whose window holds the step's NVML peak (None: no phase marks or no time)."""
+    t = r.get("nvml_peak_t_ns")
+    for ph in r.get("phases") or []:
+        if t is not None and ph["begin_ns"] <= t <= ph["end_ns"]:
+            return ph["phase"]
+    return None
+
+
+def _nvml_peak_where(r: dict[str, Any]) -> str:
+    """`` (in its optimizer phase, 812 ms in)`` for a step's NVML peak."""
+    t, phase = r.get("nvml_peak_t_ns"), _nvml_peak_phase(r)
+    parts = [f"in its {phase.replace('_', '/')} phase"] if phase else []
+    if t is not None and r.get("begin_ns") is not None:
+        parts.append(f"{(t - r['begin_ns']) / 1e6:.0f} ms in")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _kept_without_ledger(prev: dict[str, Any], cur: dict[str, Any], nums: dict[str, Any]) -> str:
     """Without a ledger, what the allocator itself shows: live tensors that step ``prev``
     created and kept (allocated at its end minus at its begin)."""
@@ -679,10 +697,15 @@ def _rule_headroom_and_failures(s: _Steps) -> list[Finding]:
             Finding(
                 "headroom",
                 f"Largest within-step peak: {g(top['nvml_peak_bytes'])} in step "
-                f"{top['step']}, {100 * top['nvml_peak_bytes'] / total_bytes:.1f} % of "
+                f"{top['step']}{_nvml_peak_where(top)}, "
+                f"{100 * top['nvml_peak_bytes'] / total_bytes:.1f} % of "
                 f"the card's {g(total_bytes)}; headroom "
                 f"{g(total_bytes - top['nvml_peak_bytes'])}.",
-                {"peak": top["nvml_peak_bytes"], "total": total_bytes},
+                {
+                    "peak": top["nvml_peak_bytes"],
+                    "total": total_bytes,
+                    "phase": _nvml_peak_phase(top),
+                },
             )
         )
     prev_ooms, prev = 0, None

@@ -41,6 +41,10 @@ def test_unpaged_step_2_jump_is_explained_by_the_optimizer_state():
         "12.65 GiB" in jump.text and "optimizer state (13.48 GiB) appeared in step 1" in jump.text
     )
     assert f["steady_state"].numbers["step"] == 3
+    # the largest NVML peak is named with the phase it falls in
+    head = f["headroom"]
+    assert head.numbers["phase"] in ("forward_backward", "optimizer")
+    assert f"in its {head.numbers['phase'].replace('_', '/')} phase" in head.text
 
 
 def test_unpaged_small_step_3_growth_is_the_allocators():
