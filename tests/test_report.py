@@ -154,6 +154,9 @@ def test_spiky_transients_are_named():
     f, _ = findings("spiky")
     assert f["transient"].numbers["steps"] == 40
     assert f["transient"].numbers["largest_bytes"] == 4096 << 20
+    # the peak split: torch's reserved pool holds every spike; nothing came outside torch
+    assert "torch's reserved pool peaked 4.00 GiB above its end" in f["transient"].text
+    assert all(p["transient_outside"] == 0 for p in f["transient"].numbers["splits"])
 
 
 def step(i, alloc, reserved, peak, nvml_end=None, **extra):
