@@ -44,7 +44,9 @@ __all__ = [
     "changes",
     "locate",
     "mark_points",
+    "nontorch_bytes",
     "outside_share",
+    "peak_phase",
     "peak_split",
 ]
 
@@ -56,6 +58,23 @@ TRUSTED_REMAINDER = CHANGE_BYTES // 2
 def _t(r: dict[str, Any], part: str, key: str) -> int | None:
     v = (r.get(part) or {}).get(key)
     return None if v is None else int(v)
+
+
+def nontorch_bytes(rec: dict[str, Any]) -> int | None:
+    """NVML used − torch reserved − CUDA-context baseline at step end; None without torch stats.
+
+    NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out driver-reserved memory;
+    measured equal on the H200), so the baseline the probe took with ``mem_get_info`` before
+    training subtracts on the same footing.
+    """
+    te = rec.get("torch_end") or {}
+    if "reserved_bytes.all.current" not in te or rec.get("nvml_end_bytes") is None:
+        return None
+    return (
+        rec["nvml_end_bytes"]
+        - te["reserved_bytes.all.current"]
+        - te.get("context_baseline_bytes", 0)
+    )
 
 
 def _pid(recs: list[dict[str, Any]]) -> int | None:
@@ -122,7 +141,7 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
         reserved=reserved,
         allocated=allocated,
         inactive_split=_t(r, "torch_end", "inactive_split_bytes.all.current") or 0,
-        outside_all=used - reserved - (_t(r, "torch_end", "context_baseline_bytes") or 0),
+        outside_all=nontorch_bytes(r) or 0,  # known: used and reserved are
     )
     led = r.get("ledger") or {}
     if led:
@@ -150,7 +169,7 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
             a.read_after_ms = (t - r["end_ns"]) / 1e6
     else:
         a.baseline = _t(r, "torch_end", "context_baseline_bytes") or 0
-        a.unsplit = used - reserved - a.baseline
+        a.unsplit = a.outside_all
         if moved is not None and moved > TRUSTED_REMAINDER:
             a.unsplit_why = (
                 f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
@@ -158,7 +177,7 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
         elif not mine:
             a.unsplit_why = "no per-process reading"
         else:
-            a.unsplit_why = "no baseline"
+            a.unsplit_why = "NVML gave no figure for this process"
     return a
 
 
@@ -338,24 +357,32 @@ class PeakSplit:
     transient_outside: int
 
 
+def peak_phase(r: dict[str, Any]) -> dict[str, Any] | None:
+    """The phase of step ``r`` whose window holds its NVML peak (None: no phase marks, or no
+    peak time)."""
+    t = r.get("nvml_peak_t_ns")
+    if t is None:
+        return None
+    return next((ph for ph in r.get("phases") or [] if ph["begin_ns"] <= t <= ph["end_ns"]), None)
+
+
 def peak_split(r: dict[str, Any]) -> PeakSplit | None:
     peak, end = r.get("nvml_peak_bytes"), r.get("nvml_end_bytes")
     res_end = _t(r, "torch_end", "reserved_bytes.all.current")
     if peak is None or end is None or res_end is None:
         return None
     t = r.get("nvml_peak_t_ns")
-    phase, res_peak = None, r.get("torch_reserved_peak_bytes")
-    for ph in r.get("phases") or []:
-        if t is not None and ph["begin_ns"] <= t <= ph["end_ns"]:
-            phase, res_peak = ph["phase"], ph.get("torch_reserved_peak_bytes", res_peak)
-            break
+    ph = peak_phase(r)
+    res_peak = r.get("torch_reserved_peak_bytes")
+    if ph is not None:
+        res_peak = ph.get("torch_reserved_peak_bytes", res_peak)
     res_peak = max(int(res_peak or 0), res_end)
     outside_end = end - res_end
     return PeakSplit(
         step=r["step"],
         peak=peak,
         t_ns=t,
-        phase=phase,
+        phase=None if ph is None else ph["phase"],
         reserved_peak=res_peak,
         outside_at_end=outside_end,
         transient_outside=max(0, peak - res_peak - outside_end),

@@ -20,6 +20,7 @@ import ray
 from collector.accounting import outside_share
 from collector.backends import BackendSpec
 from collector.metrics import gpu_labels
+from collector.procwatch import ProcessWatch, as_reading
 from collector.records import StepEvent
 from collector.sampler import Sampler, StepJoiner
 from collector.settings import SamplerOptions
@@ -62,8 +63,6 @@ class SamplerActor:
         # live GPUs: per-process readings taken as memory moves (a replay has its snapshots)
         self.procwatch = None
         if self.device.backend == "nvml":
-            from collector.procwatch import ProcessWatch
-
             self.procwatch = ProcessWatch(self.device, self.sampler)
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
@@ -122,11 +121,7 @@ class SamplerActor:
         except Exception:  # an NVML error costs the accounting its split, nothing else
             self.process_read_errors += 1
             return None
-        return {
-            "t_ns": t,
-            "device_used": used,
-            "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
-        }
+        return as_reading(t, used, procs)
 
     def _join_loop(self) -> None:
         while not self._stop.wait(JOIN_INTERVAL_S):

@@ -49,7 +49,15 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.export.values import nontorch_bytes
+from collector.accounting import (
+    accounts,
+    allocator_mode,
+    changes,
+    locate,
+    nontorch_bytes,
+    peak_phase,
+    peak_split,
+)
 
 __all__ = ["Finding", "diagnose"]
 
@@ -174,8 +182,6 @@ def _unmeasured(recs: list[dict[str, Any]]) -> Finding | None:
 def _outside(ended: list[dict[str, Any]], nt: int, managed: int) -> Finding:
     """Rule 3 without a managed ledger: split by NVML's per-process readings when there are
     some; otherwise one figure, said to be unsplit (no cause is named without evidence)."""
-    from collector.accounting import accounts
-
     accs = accounts(ended)
     a = accs[-1] if accs and accs[-1].step == ended[-1]["step"] else None
     nums: dict[str, Any] = {"nontorch": nt, "managed": managed}
@@ -209,8 +215,6 @@ def _outside(ended: list[dict[str, Any]], nt: int, managed: int) -> Finding:
 def _outside_growth(ended: list[dict[str, Any]]) -> str:
     """Which component outside torch grows from the first to the last step, by the accounting
     (no cause named without a reading)."""
-    from collector.accounting import accounts
-
     accs = [a for a in accounts(ended) if a.unsplit is None]
     if len(accs) < 2:
         return (
@@ -242,8 +246,6 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     """Rule 7: the allocator's mode, every byte of the last step's end, and each step-to-step
     change of what lies outside torch, from the accounting identity
     (:mod:`collector.accounting`)."""
-    from collector.accounting import accounts, allocator_mode, changes, locate
-
     out = []
     mode = allocator_mode(recs)
     if mode["caching_disabled"]:
@@ -521,12 +523,8 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
 
 
 def _nvml_peak_phase(r: dict[str, Any]) -> str | None:
-    """The phase whose window holds the step's NVML peak (None: no phase marks or no time)."""
-    t = r.get("nvml_peak_t_ns")
-    for ph in r.get("phases") or []:
-        if t is not None and ph["begin_ns"] <= t <= ph["end_ns"]:
-            return ph["phase"]
-    return None
+    ph = peak_phase(r)
+    return None if ph is None else ph["phase"]
 
 
 def _nvml_peak_where(r: dict[str, Any]) -> str:
@@ -634,8 +632,6 @@ def _rule_transients(s: _Steps) -> list[Finding]:
         > max(TRANSIENT_BYTES, 0.05 * r["nvml_end_bytes"])
     ]
     if spikes:
-        from collector.accounting import peak_split
-
         big = max(spikes, key=lambda r: r["nvml_peak_bytes"] - r["nvml_end_bytes"])
         splits = [p for p in map(peak_split, spikes) if p is not None]
         outside = [p for p in splits if p.transient_outside > JUMP_BYTES]
@@ -667,18 +663,16 @@ def _rule_transients(s: _Steps) -> list[Finding]:
 
 
 def _peak_text(r: dict[str, Any]) -> str:
-    """``: at 812 ms, in optimizer; torch's reserved pool peaked 3.10 GiB above its end, and
-    0.50 GiB more lay outside torch's allocator`` for a step's within-step peak."""
-    from collector.accounting import peak_split
-
+    """`` (in its optimizer phase, 812 ms in): torch's reserved pool peaked 3.10 GiB above its
+    end, and at least 0.50 GiB more lay outside torch's allocator`` for a step's peak."""
     p = peak_split(r)
     if p is None:
         return ""
-    at = f"at {(p.t_ns - r['begin_ns']) / 1e6:.0f} ms" if p.t_ns is not None else ""
-    where = ", ".join(x for x in (at, f"in {p.phase}" if p.phase else "") if x)
     res_end = _te(r, "reserved_bytes.all.current") or 0
-    text = f": {where}; " if where else ": "
-    text += f"torch's reserved pool peaked {g(p.reserved_peak - res_end)} above its end"
+    text = (
+        f"{_nvml_peak_where(r)}: torch's reserved pool peaked {g(p.reserved_peak - res_end)} "
+        "above its end"
+    )
     if p.transient_outside:
         text += f", and at least {g(p.transient_outside)} more lay outside torch's allocator"
     return text

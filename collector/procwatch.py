@@ -21,14 +21,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collector.backends import Device
+    from collector.nvml import ProcessMemory
     from collector.sampler import Sampler
 
-__all__ = ["HEARTBEAT_S", "MOVE_BYTES", "POLL_S", "ProcessWatch"]
+__all__ = ["HEARTBEAT_S", "MOVE_BYTES", "POLL_S", "ProcessWatch", "as_reading"]
 
 POLL_S = 0.02
 MOVE_BYTES = 2 << 20  # one NVML page
 HEARTBEAT_S = 1.0
 KEEP = 4096  # readings kept (≈ 80 s of constant movement, hours of a steady run)
+
+
+def as_reading(t_ns: int, used: int, procs: list[ProcessMemory]) -> dict[str, Any]:
+    """A per-process reading as step records carry it (``StepRecord.processes``)."""
+    return {
+        "t_ns": int(t_ns),
+        "device_used": int(used),
+        "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
+    }
 
 
 class ProcessWatch:
@@ -79,11 +89,7 @@ class ProcessWatch:
         except Exception as exc:  # an NVML error costs the accounting a split, nothing else
             self.errors[type(exc).__name__] += 1
             return False
-        reading = {
-            "t_ns": int(t),
-            "device_used": int(used),
-            "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
-        }
+        reading = as_reading(t, used, procs)
         with self._lock:
             self._t.append(int(t))
             self._readings.append(reading)

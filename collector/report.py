@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from collector.accounting import nontorch_bytes
 from collector.diagnose import Finding, diagnose, g, steps_text
 from collector.errors import InputError
-from collector.export.values import nontorch_bytes
 
 __all__ = ["Run", "compare", "load_run", "render_report"]
 

@@ -12,9 +12,9 @@ Layout of a run directory (``runs/<run_id>/`` by default)::
 Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keeps each sampler's
 ``wall_offset_ns`` (wall = monotonic + offset). Step columns: ``gpu_uuid, step, begin_ns,
 end_ns, samples, gap, error, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
-nvml_reserved_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``, every
-``torch_end.<key>``, ``torch_begin.<key>`` and ``ledger.<kind>`` flattened, and ``phases`` and
-``processes`` (JSON).
+nvml_reserved_bytes, nvml_begin_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``,
+every ``torch_end.<key>``, ``torch_begin.<key>`` and ``ledger.<kind>`` flattened, and ``phases``
+and ``processes`` (JSON).
 
 Written incrementally: each flush writes new part files, each one to a temporary name renamed
 into place, so a crash loses at most what arrived since the last flush and never leaves a torn

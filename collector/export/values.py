@@ -4,29 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from collector.accounting import account, nontorch_bytes
+
 __all__ = ["step_values"]
 
 _TORCH_END = {
     "stepmem_step_torch_allocated_end_bytes": "allocated_bytes.all.current",
     "stepmem_step_torch_reserved_end_bytes": "reserved_bytes.all.current",
 }
-
-
-def nontorch_bytes(rec: dict[str, Any]) -> int | None:
-    """NVML used − torch reserved − CUDA-context baseline at step end; None without torch stats.
-
-    NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out driver-reserved memory;
-    measured equal on the H200), so the baseline the probe took with ``mem_get_info`` before
-    training subtracts on the same footing.
-    """
-    te = rec.get("torch_end") or {}
-    if "reserved_bytes.all.current" not in te or rec.get("nvml_end_bytes") is None:
-        return None
-    return (
-        rec["nvml_end_bytes"]
-        - te["reserved_bytes.all.current"]
-        - te.get("context_baseline_bytes", 0)
-    )
 
 
 _COMPONENT = {  # the accounting's names → the `component` label (a fixed set)
@@ -43,8 +28,6 @@ _COMPONENT = {  # the accounting's names → the `component` label (a fixed set)
 def _account(rec: dict[str, Any]) -> Any:
     """The step's account with the baseline the sampler has seen so far (the report uses the
     whole run's)."""
-    from collector.accounting import account
-
     pid = (rec.get("torch_begin") or {}).get("process_pid")
     return account(rec, pid, (rec.get("processes") or {}).get("baseline"))
 
