@@ -225,6 +225,11 @@ class SamplerActor:
         self._publish(self.joiner.poll(force=flush))
         return [r.to_dict() for r in self.joiner.records_since(since_step)]
 
+    def newest_record(self) -> dict[str, Any] | None:
+        """The newest joined step record (for a tracker's per-step keys), None before any."""
+        rec = self.joiner.newest()
+        return None if rec is None else rec.to_dict()
+
     def last(self) -> tuple[int, int, int] | None:
         return self.sampler.ring.last()
 

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from collector.probe.hf import StepMemCallback
+    from collector.probe.hf import attach
 
     cuda = torch.cuda.is_available()
     if args.optim != "adamw_torch" and not cuda:
@@ -132,8 +132,6 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     data = SyntheticTokens(samples, args.seq_len, SHAPES[args.size]["vocab_size"])
     timer = _StepTimer()
     callbacks: list[Any] = [timer.callback]
-    if probe is not None:
-        callbacks.insert(0, StepMemCallback(probe, watch=not getattr(args, "no_watch", False)))
     with tempfile.TemporaryDirectory(prefix="stepmem-finetune-") as out:
         targs = TrainingArguments(
             output_dir=out,
@@ -146,13 +144,15 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
             optim=args.optim,
             logging_steps=1,
             save_strategy="no",
-            report_to=[],
+            report_to=list(getattr(args, "report_to", None) or []),
             dataloader_num_workers=0,
             use_cpu=not cuda,
             disable_tqdm=True,
             seed=0,
         )
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
+        if probe is not None:  # ahead of the reporting callbacks: its keys reach the trackers
+            attach(trainer, probe, watch=not getattr(args, "no_watch", False))
         result = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
@@ -208,6 +208,14 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the probe without the model and optimizer: no ledger (a probe that never calls "
         "watch())",
+    )
+    p.add_argument(
+        "--report-to",
+        nargs="+",
+        default=[],
+        metavar="TRACKER",
+        help="the Trainer's report_to (tensorboard, mlflow, wandb…): the stepmem/* keys go there "
+        "on the training-step axis (default: none)",
     )
     p.add_argument("--summary", type=Path, help="write the run summary (JSON) here")
     return p

@@ -66,6 +66,8 @@ EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 HISTORY_STEPS = 3  # steps recorded with allocation stacks when a history folder is given
 HISTORY_MAX_ENTRIES = 200_000  # trace entries PyTorch keeps (a ring); older ones are dropped
+_LOG_PEAKS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+GIB = 1 << 30
 HISTORY_JUMP_BYTES = 256 << 20  # a jump of torch reserved this large gets its next step recorded
 HISTORY_JUMPS = 2  # steps recorded after jumps, at most, in a run
 
@@ -217,6 +219,11 @@ class Outbox:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # The newest joined step record of each GPU, fetched by the sender thread once
+        # something asked for it (:meth:`StepProbe.metrics`): never waited on.
+        self.want_newest = False
+        self.newest: dict[str, dict[str, Any]] = {}
+        self._asks: dict[str, Any] = {}  # GPU → ObjectRef of a newest_record call in flight
 
     def put(self, ev: StepEvent) -> dict[str, Any]:
         d = ev.to_dict()
@@ -249,11 +256,15 @@ class Outbox:
         if any(len(v) >= self.batch_max for v in self._pending.values()):
             self._wake.set()
 
+    def wake(self) -> None:
+        """Have the sender run now (started on first use). Never blocks."""
+        self.maybe_flush()
+        self._wake.set()
+
     def drain(self, timeout_s: float = 2.0) -> bool:
         """Wake the sender and wait up to ``timeout_s`` for everything pending to be sent (a
         failing step's last events, before the process dies). True when nothing is pending."""
-        self.maybe_flush()
-        self._wake.set()
+        self.wake()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -277,6 +288,31 @@ class Outbox:
             self._write(unwritten)
             for uuid, batch in pending.items():
                 self._send(uuid, batch)
+            if self.want_newest:
+                self._ask_newest({e["gpu_uuid"] for b in pending.values() for e in b})
+
+    def _ask_newest(self, sent_to: set[str]) -> None:
+        """Collect the answers that have arrived (without waiting) and ask again, for every GPU
+        this outbox sends to."""
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            return
+        for uuid in sent_to | set(self._asks):
+            ref = self._asks.get(uuid)
+            try:
+                if ref is not None:
+                    ready, _ = ray.wait([ref], timeout=0)
+                    if not ready:
+                        continue
+                    rec = ray.get(ref, timeout=0)
+                    if rec is not None:
+                        self.newest[uuid] = rec
+                handle = self._resolve(uuid) if self._resolve is not None else None
+                self._asks[uuid] = handle.newest_record.remote() if handle is not None else None
+            except Exception as exc:  # a tracker key missing costs nothing else
+                self._asks[uuid] = None
+                self.dropped["newest_record"] += 1
+                log.debug("newest record from %s failed: %s", uuid, exc)
 
     def _write(self, events: list[dict[str, Any]]) -> None:
         if self._file is None or not events:
@@ -387,6 +423,7 @@ class StepProbe:
         self._mode: dict[str, int] = {}
         self._ledger_cache = LedgerCache()
         self._end_reserved: int | None = None  # torch reserved at the last end, all devices
+        self._log_peaks: dict[Any, dict[str, int]] = {}  # per device, since the last metrics()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -501,6 +538,10 @@ class StepProbe:
                 ledger=led,
             )
             d_ev = self.outbox.put(ev)
+            if torch_stats:  # the allocator's peaks since the last metrics() (trackers)
+                peaks = self._log_peaks.setdefault(d, {})
+                for k in _LOG_PEAKS:
+                    peaks[k] = max(peaks.get(k, 0), torch_stats.get(k, 0))
             if kind == "end":
                 self.records.append({"device": str(d), "begin_ns": self._begin_t, **d_ev})
                 reserved += torch_stats.get("reserved_bytes.all.current", 0)
@@ -566,6 +607,53 @@ class StepProbe:
             self.fail(exc)
             raise
         self.end()
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step memory for an experiment tracker (W&B, MLflow, TensorBoard, a plain
+        ``print``), keys ``stepmem/...``, GiB; never waits. For the largest of this process's
+        GPUs:
+
+        * ``torch_allocated_peak_gib``, ``torch_reserved_peak_gib``: the allocator's peaks since
+          the last call; ``torch_allocated_gib``, ``torch_reserved_gib`` at the last step's end;
+        * ``ledger/<kind>_gib``: parameters, gradients, optimizer state at the last step's end
+          (when the probe watches the model and optimizer);
+        * ``nvml_peak_gib``, ``nvml_end_gib`` and ``nvml_step``: the newest step the sampler
+          has joined (its within-step NVML peak and end reading) and that step's number, which
+          trails the training step by the join delay; absent until the first call has asked
+          the sampler for it (the outbox's sender fetches it in the background; each call
+          wakes it to collect the answer and ask again, so a call sees what the sampler had
+          joined by about the previous one).
+        """
+        out: dict[str, float] = {}
+        peaks, self._log_peaks = self._log_peaks, {}
+        for key, name in zip(_LOG_PEAKS, ("allocated", "reserved"), strict=True):
+            vals = [p[key] for p in peaks.values() if key in p]
+            if vals:
+                out[f"stepmem/torch_{name}_peak_gib"] = max(vals) / GIB
+        last: dict[str, dict[str, Any]] = {}
+        for r in self.records:  # the newest end record of each device
+            last[r["device"]] = r
+        for key, name in (
+            ("allocated_bytes.all.current", "allocated"),
+            ("reserved_bytes.all.current", "reserved"),
+        ):
+            vals = [r["torch"][key] for r in last.values() if key in (r.get("torch") or {})]
+            if vals:
+                out[f"stepmem/torch_{name}_gib"] = max(vals) / GIB
+        for kind in ("parameters", "gradients", "optimizer_state", "optimizer_state_managed"):
+            vals = [r["ledger"][kind] for r in last.values() if kind in (r.get("ledger") or {})]
+            if vals:
+                out[f"stepmem/ledger/{kind}_gib"] = max(vals) / GIB
+        self.outbox.want_newest = True
+        self.outbox.wake()  # collect the answer to the last ask and ask again, on the sender
+        joined = [r for r in self.outbox.newest.values() if r.get("nvml_peak_bytes") is not None]
+        if joined:
+            top = max(joined, key=lambda r: r["nvml_peak_bytes"])
+            out["stepmem/nvml_peak_gib"] = top["nvml_peak_bytes"] / GIB
+            if top.get("nvml_end_bytes") is not None:
+                out["stepmem/nvml_end_gib"] = top["nvml_end_bytes"] / GIB
+            out["stepmem/nvml_step"] = float(top["step"])
+        return out
 
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""

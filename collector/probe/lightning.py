@@ -8,6 +8,9 @@ reading still holds the gradients (the HF Trainer has freed them by ``on_step_en
 
 Phases: ``forward_backward`` ends at ``on_before_optimizer_step``; ``optimizer`` ends with the
 step. Only automatic optimization with one optimizer is marked.
+
+Trackers: every ``log_every_n_steps`` steps the ``stepmem/*`` keys
+(:meth:`StepProbe.metrics`) go to each of the trainer's loggers at ``trainer.global_step``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ class StepMemLightningCallback(Callback):
         last = batch_idx + 1 == trainer.num_training_batches
         if (batch_idx + 1) % self._accum(trainer) == 0 or last:
             self.probe.end()
+            step = trainer.global_step
+            if trainer.loggers and step % max(1, int(trainer.log_every_n_steps)) == 0:
+                metrics = self.probe.metrics()
+                for logger in trainer.loggers:  # on the trainer's own step axis
+                    logger.log_metrics(metrics, step=step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.probe.close()
