@@ -81,19 +81,13 @@ def _variables(d: dashboard.Dashboard) -> dashboard.Dashboard:
     d = d.with_variable(
         dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
     )
+    # a run's GPUs from what the samplers serve (scraped) or push (remote write): a run that
+    # reached Prometheus only by remote write is listed too
+    either = '__name__=~"stepmem_nvml_total_bytes|stepmem_step", job=~"stepmem|stepmem-steps"'
     for name, label, query in (
-        ("run", "Run", 'label_values(stepmem_nvml_total_bytes{job="stepmem"}, run)'),
-        (
-            "node",
-            "Node",
-            'label_values(stepmem_nvml_total_bytes{job="stepmem", run=~"$run"}, node)',
-        ),
-        (
-            "gpu",
-            "GPU",
-            'label_values(stepmem_nvml_total_bytes{job="stepmem", run=~"$run", '
-            'node=~"$node"}, gpu_uuid)',
-        ),
+        ("run", "Run", f"label_values({{{either}}}, run)"),
+        ("node", "Node", f'label_values({{{either}, run=~"$run"}}, node)'),
+        ("gpu", "GPU", f'label_values({{{either}, run=~"$run", node=~"$node"}}, gpu_uuid)'),
     ):
         d = d.with_variable(
             dashboard.QueryVariable(name)

@@ -97,6 +97,16 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]["result"]
 
+    def label_values(self, label: str, match: str) -> list[str]:
+        """What Grafana's ``label_values(match, label)`` asks Prometheus: the label's values on
+        the series ``match`` selects."""
+        q = urllib.parse.urlencode({"match[]": match})
+        url = f"{self.url}/api/v1/label/{label}/values?{q}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]
+
     def scalar(self, expr: str) -> float | None:
         res = self.query(expr)
         return float(res[0]["value"][1]) if res else None

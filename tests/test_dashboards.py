@@ -57,7 +57,10 @@ def test_every_expression_names_only_metrics_of_the_table():
         assert len(exprs) >= 8, name
         for expr in exprs:
             inner = re.sub(r"label_values\((.*),\s*\w+\)$", r"\1", expr)
-            assert metric_names(inner) <= table, (name, expr, metric_names(inner) - table)
+            named = metric_names(inner)  # and those a variable's __name__ matcher lists
+            for alts in re.findall(r'__name__=~"([^"]+)"', inner):
+                named |= set(alts.split("|"))
+            assert named and named <= table, (name, expr, named - table)
 
 
 def test_every_panel_has_a_unit_and_a_description():
@@ -138,4 +141,43 @@ def test_every_panel_query_returns_data_from_a_replay_run(kill_samplers, tmp_pat
     finally:
         if refresher is not None:
             refresher.stop()
+        prom.stop()
+
+
+@pytest.mark.ray
+def test_a_run_that_only_pushed_by_remote_write_is_in_the_run_node_and_gpu_lists(
+    kill_samplers, tmp_path
+):
+    """No scrape target at all: the run's step series reached Prometheus by remote write only,
+    and the dashboards' variables (what Grafana asks: label values on their selectors) list it."""
+    prom = Prometheus(tmp_path).start()
+    try:
+        run = "t-pushed-only"
+        cap = Capture.load(resolve_capture("adamw_8bit"))
+        rw = RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.2)
+        speed = 4.0
+        placed = launch_samplers(
+            BackendSpec("replay", captures=["adamw_8bit"], gpus=2, speed=speed),
+            loopback(run_id=run, workload="finetune", remote_write=rw),
+        )
+        kill_samplers.extend(p.handle for p in placed)
+        first = min(e["t_ns"] for e in cap.events)
+        origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
+        ray.get([p.handle.replay_from.remote(origin) for p in placed])
+        replay_steps(placed, cap, 2, origin, speed)
+        wait_for(
+            lambda: prom.scalar(f'count(stepmem_step{{job="stepmem-steps", run="{run}"}})') == 2,
+            timeout=30,
+        )
+        assert prom.query(f'up{{run="{run}"}}') == []  # never scraped
+        model = committed()["stepmem-step-memory.json"]
+        found = {}
+        for var in model["templating"]["list"]:
+            m = re.match(r"^label_values\((.*),\s*(\w+)\)$", var.get("query") or "")
+            if m:
+                sel = m.group(1).replace("$run", run).replace("$node", ".*")
+                found[var["name"]] = prom.label_values(m.group(2), sel)
+        gpus = {p.gpu_uuid for p in placed}
+        assert run in found["run"] and found["node"] and gpus <= set(found["gpu"])
+    finally:
         prom.stop()
