@@ -60,6 +60,7 @@ class SamplerActor:
         self.joiner = StepJoiner(self.sampler, processes=self._processes_for)
         self._baseline: int | None = None
         self.process_read_errors = 0
+        self.process_labels: dict[int, str] = {}  # pid → Ray name of a training process
         # live GPUs: per-process readings taken as memory moves (a replay has its snapshots)
         self.procwatch = None
         if self.device.backend == "nvml":
@@ -163,12 +164,30 @@ class SamplerActor:
             steps_joined=self.joiner.joined,
             last_record=newest.to_dict() if (newest := self.joiner.newest()) else None,
             remote_write=self.writer.stats() if self.writer is not None else {},
+            processes=self._process_series(),
         )
         if last is not None:
             snap.used_bytes, snap.reserved_bytes = last[1], last[2]
             w = ring.window(last[0] - int(self.options.sampling.window_s * 1e9), last[0])
             snap.window_max_bytes, snap.window_min_bytes = int(w.used.max()), int(w.used.min())
         return snap
+
+    def register_process(self, pid: int, label: str) -> None:
+        """A training process reporting to this sampler (its outbox calls this once): its memory
+        is shown under ``label`` in ``stepmem_process_used_bytes``."""
+        self.process_labels[int(pid)] = str(label)[:64]
+
+    def _process_series(self) -> dict[str, int]:
+        """The newest per-process reading by process label (unregistered ones: ``other``)."""
+        if self.procwatch is not None:
+            reading = self.procwatch.latest()
+        else:
+            reading = self._processes_at(time.monotonic_ns(), None)
+        out: dict[str, int] = {}
+        for pid, used, _ in (reading or {}).get("procs", []):
+            label = self.process_labels.get(int(pid), "other")
+            out[label] = out.get(label, 0) + int(used or 0)
+        return out
 
     def info(self) -> dict[str, Any]:
         d = self.device.info
@@ -195,6 +214,8 @@ class SamplerActor:
             "replay_origin_ns": getattr(self.device, "origin_ns", None),
             "replay_speed": getattr(self.device, "speed", None),
             "error": self.init_error,
+            # training processes that reported here: pid → Ray name (the per-process series)
+            "processes": {str(pid): label for pid, label in self.process_labels.items()},
         }
 
     def record_events(self, events: list[dict[str, Any]]) -> int:

@@ -85,6 +85,16 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("stepmem_nvml_total_bytes", "gauge", "bytes", "NVML total device memory."),
     Metric(
+        "stepmem_process_used_bytes",
+        "gauge",
+        "bytes",
+        "NVML per-process used memory at the newest per-process reading, by process: each "
+        "training process that reports to this sampler under its Ray name (the actor's name, "
+        "train_rank_<N> in a Ray Train worker, actor, driver or task), every other process on "
+        "the GPU summed as 'other' (a bounded set of series, never one per pid).",
+        (*GPU_LABELS, "process"),
+    ),
+    Metric(
         "stepmem_nvml_used_window_max_bytes",
         "gauge",
         "bytes",

@@ -96,6 +96,10 @@ class ProcessWatch:
         self.reads += 1
         return True
 
+    def latest(self) -> dict[str, Any] | None:
+        with self._lock:
+            return self._readings[-1] if self._readings else None
+
     def reading_for(self, end_ns: int, end_used: int | None) -> dict[str, Any] | None:
         """The reading that describes a step that ended at ``end_ns`` with ``end_used`` bytes
         used: of the latest before the end mark and the first after it, the one whose device

@@ -69,6 +69,7 @@ def snapshot(**kw):
         up=True,
         steps_joined=7,
         remote_write={"sent": 70, "pending": 0, "dropped": {"buffer_full": 2}},
+        processes={"train_rank_0": 80 * GIB, "other": 2 * GIB},
     )
     base.update(kw)
     return Snapshot(**base)

@@ -4,6 +4,7 @@ step at its own time, window gauges, promtool, outages and rejections."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import time
 import urllib.request
@@ -443,3 +444,40 @@ def test_a_finished_runs_series_end_with_stale_markers(prom, record_fault):
         "stale markers sent at the end: the series is gone from instant queries at once, its 5 "
         "samples all kept",
     )
+
+
+@pytest.mark.ray
+def test_per_process_memory_is_labelled_by_ray_name_not_pid(kill_samplers):
+    """The neighbour capture: the training process (registered under its Ray name, as a probe's
+    outbox does) and a second process that comes at step 3 (not registered: 'other')."""
+    from collector.probe.core import ray_process_label
+
+    cap = Capture.load(resolve_capture("neighbour"))
+    trainer_pid = int(cap.events[0]["torch"]["process_pid"])  # the probe's begin events say
+    (gpu,) = launch_samplers(
+        BackendSpec("replay", captures=["neighbour"], gpus=1, speed=8.0), loopback()
+    )
+    kill_samplers.append(gpu.handle)
+    ray.get(gpu.handle.register_process.remote(trainer_pid, ray_process_label()))
+    assert ray.get(gpu.handle.info.remote())["processes"] == {str(trainer_pid): "driver"}
+
+    def series() -> dict[str, float]:
+        out = {}
+        for line in metrics_text(gpu.info).splitlines():
+            m = re.match(r'stepmem_process_used_bytes\{.*process="([^"]+)".*\} (\S+)$', line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    got: dict[str, float] = {}
+
+    def neighbour_came() -> bool:  # about 1.6 s in; one scrape read whole
+        got.clear()
+        got.update(series())
+        return "other" in got
+
+    wait_for(neighbour_came, timeout=60)
+    assert set(got) == {"driver", "other"}  # two series, no pid anywhere
+    by_pid = {int(p[0]): p[1] for snap in cap.processes for p in snap["procs"] if p[1] is not None}
+    assert got["driver"] == by_pid[trainer_pid]
+    assert got["other"] in {v for pid, v in by_pid.items() if pid != trainer_pid}

@@ -53,6 +53,8 @@ def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["samples"] > 0 and r["ledger"]["parameters"] > 0 for r in records)
     assert [p["phase"] for p in records[0]["phases"]] == ["forward_backward", "optimizer"]
+    # the worker told the sampler who it is: its memory series is labelled by rank, not pid
+    assert list(ray.get(placed.handle.info.remote())["processes"].values()) == ["train_rank_0"]
 
 
 def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):

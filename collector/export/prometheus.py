@@ -55,6 +55,7 @@ class Snapshot:
     up: bool = True
     steps_joined: int = 0
     remote_write: dict[str, Any] = field(default_factory=dict)
+    processes: dict[str, int] = field(default_factory=dict)  # process label → bytes
 
 
 def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
@@ -62,6 +63,8 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
         yield "stepmem_nvml_used_bytes", {}, s.used_bytes
         yield "stepmem_nvml_reserved_bytes", {}, s.reserved_bytes or 0
     yield "stepmem_nvml_total_bytes", {}, s.total_bytes
+    for process, used in sorted(s.processes.items()):
+        yield "stepmem_process_used_bytes", {"process": process}, used
     yield "stepmem_window_seconds", {}, s.window_s
     if s.window_max_bytes is not None:
         yield "stepmem_nvml_used_window_max_bytes", {}, s.window_max_bytes

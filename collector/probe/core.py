@@ -224,6 +224,7 @@ class Outbox:
         self.want_newest = False
         self.newest: dict[str, dict[str, Any]] = {}
         self._asks: dict[str, Any] = {}  # GPU → ObjectRef of a newest_record call in flight
+        self._registered: set[str] = set()  # samplers told this process's Ray name
 
     def put(self, ev: StepEvent) -> dict[str, Any]:
         d = ev.to_dict()
@@ -337,6 +338,9 @@ class Outbox:
         try:
             handle.record_events.remote(batch)
             self.sent += len(batch)
+            if uuid not in self._registered:  # once per sampler: who this process is
+                handle.register_process.remote(os.getpid(), ray_process_label())
+                self._registered.add(uuid)
         except Exception as exc:
             self.dropped["send_failed"] += len(batch)
             log.debug("sending %d events to %s failed: %s", len(batch), uuid, exc)
@@ -351,6 +355,25 @@ class Outbox:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def ray_process_label() -> str:
+    """This process's name in Ray, for the per-process memory series: a named actor's name,
+    ``train_rank_<N>`` in a Ray Train worker, ``actor`` (unnamed), ``driver`` or ``task``.
+    Bounded by the training processes of a GPU, unlike a pid."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "driver"
+    ctx = ray.get_runtime_context()
+    if ctx.get_actor_id():
+        if ctx.get_actor_name():
+            return ctx.get_actor_name()
+        train = sys.modules.get("ray.train")  # a Train worker has it imported; never import it
+        try:
+            return f"train_rank_{train.get_context().get_world_rank()}" if train else "actor"
+        except Exception:  # an actor that is not a Train worker
+            return "actor"
+    return "driver" if ctx.worker.mode == ray.SCRIPT_MODE else "task"
 
 
 class _RaySamplers:
