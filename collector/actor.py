@@ -30,6 +30,7 @@ __all__ = ["SamplerActor"]
 log = logging.getLogger(__name__)
 
 JOIN_INTERVAL_S = 0.05
+RAY_GAUGES_INTERVAL_S = 1.0
 MAX_EVENTS_PER_CALL = 10_000
 
 
@@ -70,6 +71,11 @@ class SamplerActor:
         self.labels = gpu_labels(node_id, self.device.info, options.run_id, options.workload)
         self.writer = None
         self._sample_cursor = 0
+        self.ray_gauges = None
+        if options.ray_metrics:
+            from collector.export.ray_metrics import RayGauges
+
+            self.ray_gauges = RayGauges(self.labels)
         if options.remote_write is not None:
             from collector.export.remote_write import RemoteWriter
 
@@ -125,9 +131,13 @@ class SamplerActor:
         return as_reading(t, used, procs)
 
     def _join_loop(self) -> None:
+        next_gauges = 0.0
         while not self._stop.wait(JOIN_INTERVAL_S):
             try:
                 self._publish(self.joiner.poll())
+                if self.ray_gauges is not None and time.monotonic() >= next_gauges:
+                    self.ray_gauges.update(self.snapshot())  # Ray exports every ~10 s anyway
+                    next_gauges = time.monotonic() + RAY_GAUGES_INTERVAL_S
             except Exception:  # never let the join thread die silently
                 log.exception("step join failed")
 

@@ -122,6 +122,12 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
         help="port for /metrics (default 0: the OS picks one per sampler); N: the sampler of "
         "GPU i serves on N+i (fixed ports, e.g. for a Kubernetes PodMonitor)",
     )
+    p.add_argument(
+        "--ray-metrics",
+        action="store_true",
+        help="also export headline gauges through Ray's own metrics (ray_stepmem_*: what a "
+        "Prometheus that scrapes Ray sees with no extra config; Ray exports every ~10 s)",
+    )
 
 
 def add_remote_write(p: argparse.ArgumentParser) -> None:
@@ -173,4 +179,5 @@ def sampler_options(ns: argparse.Namespace, run_id: str, workload: str = "") -> 
         metrics_port=ns.metrics_port,
         remote_write=remote_write_config(ns),
         push_samples=getattr(ns, "remote_write_samples", False),
+        ray_metrics=getattr(ns, "ray_metrics", False),
     )

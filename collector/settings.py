@@ -115,7 +115,9 @@ class SamplerOptions:
     ``metrics_port + i`` (fixed ports, for a Kubernetes PodMonitor).
     ``remote_write`` (a :class:`collector.export.remote_write.RemoteWriteConfig`) pushes every
     step record with its step-end timestamp; with ``push_samples`` also the raw NVML trace as
-    per-millisecond maxima (``job="stepmem-samples"``).
+    per-millisecond maxima (``job="stepmem-samples"``). ``ray_metrics`` also sets headline
+    gauges through ``ray.util.metrics`` (:mod:`collector.export.ray_metrics`), for a Prometheus
+    that already scrapes Ray.
     """
 
     sampling: Sampling = field(default_factory=Sampling)
@@ -125,6 +127,7 @@ class SamplerOptions:
     metrics_port: int = 0
     remote_write: Any = None
     push_samples: bool = False
+    ray_metrics: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

@@ -481,3 +481,40 @@ def test_per_process_memory_is_labelled_by_ray_name_not_pid(kill_samplers):
     by_pid = {int(p[0]): p[1] for snap in cap.processes for p in snap["procs"] if p[1] is not None}
     assert got["driver"] == by_pid[trainer_pid]
     assert got["other"] in {v for pid, v in by_pid.items() if pid != trainer_pid}
+
+
+@pytest.mark.ray
+def test_ray_metrics_gauges_reach_rays_own_metrics_endpoint(kill_samplers):
+    """--ray-metrics: the headline gauges as Ray's metrics agent serves them (what a Prometheus
+    that scrapes Ray sees), each series with the GPU's UUID; Ray exports every ~10 s."""
+    from tests.test_placement import replay_steps
+
+    cap = Capture.load(resolve_capture("adamw_8bit"))
+    speed = 4.0
+    (gpu,) = launch_samplers(
+        BackendSpec("replay", captures=["adamw_8bit"], gpus=1, speed=speed),
+        loopback(run_id="t-ray-metrics", ray_metrics=True),
+    )
+    kill_samplers.append(gpu.handle)
+    first = min(e["t_ns"] for e in cap.events)
+    origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
+    ray.get(gpu.handle.replay_from.remote(origin))
+    replay_steps([gpu], cap, 2, origin, speed)
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    got: dict[str, float] = {}
+
+    def exported() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("ray_stepmem_")]
+        mine = [ln for ln in lines if 'run="t-ray-metrics"' in ln]
+        assert all(f'gpu_uuid="{gpu.gpu_uuid}"' in ln for ln in mine)
+        got.clear()
+        got.update({ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in mine})
+        return got.get("ray_stepmem_last_step", 0) >= 2
+
+    wait_for(exported, timeout=90)
+    top = int(cap.used.max())
+    assert 0 < got["ray_stepmem_nvml_used_window_max_bytes"] <= top
+    assert got["ray_stepmem_headroom_bytes"] >= cap.total_bytes - top
+    assert 0 < got["ray_stepmem_last_step_nvml_peak_bytes"] <= top
+    assert "ray_stepmem_torch_ooms" in got and "ray_stepmem_torch_alloc_retries" in got

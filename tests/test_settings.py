@@ -37,6 +37,15 @@ def test_every_subcommand_that_samples_has_the_same_rate_flag(command):
     assert ns.rate == Rate.MAX
 
 
+@pytest.mark.parametrize("command", ["run", "daemon"])
+def test_ray_metrics_is_off_unless_asked_for(command):
+    from collector.args import sampler_options
+
+    assert not sampler_options(build_parser().parse_args([command]), "r").ray_metrics
+    ns = build_parser().parse_args([command, "--ray-metrics"])
+    assert sampler_options(ns, "r").ray_metrics
+
+
 def test_a_training_process_imports_no_sampler_side_code():
     """The probe and its lookup load without the actor, the sampling thread, NVML or the
     exporters: a training process pays only for what it uses."""

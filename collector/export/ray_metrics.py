@@ -1,0 +1,70 @@
+"""Headline gauges through Ray's own metrics pipeline (``ray.util.metrics``), opt-in
+(``--ray-metrics``).
+
+A Ray cluster's Prometheus (KubeRay's PodMonitor, ``ray start --metrics-export-port``, the
+service discovery file Ray writes) already scrapes every node's metrics agent; these gauges
+reach it with no extra scrape config, as ``ray_stepmem_*``. Ray exports custom metrics on its
+own clock (``RAY_metrics_report_interval_ms``, 10 s by default): whatever a gauge held between
+two exports is lost, so the NVML figure here is the maximum over the sampler's trailing window
+(``--window``, 15 s by default, longer than Ray's interval) and never a single sample. Step-level
+detail needs stepmem's own ``/metrics`` and remote write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["RAY_GAUGES", "RayGauges"]
+
+TAGS = ("node", "gpu", "gpu_uuid", "run")
+# name → (help, what of a sampler snapshot)
+RAY_GAUGES = {
+    "stepmem_nvml_used_window_max_bytes": "Largest NVML used sample over the sampler's trailing "
+    "window (longer than Ray's export interval).",
+    "stepmem_headroom_bytes": "NVML total minus that window maximum.",
+    "stepmem_last_step_nvml_peak_bytes": "The newest joined step's within-step NVML peak.",
+    "stepmem_last_step_torch_reserved_peak_bytes": "The newest joined step's torch reserved peak.",
+    "stepmem_last_step": "The newest joined step's number.",
+    "stepmem_torch_ooms": "CUDA out-of-memory errors the allocator counted in the run so far.",
+    "stepmem_torch_alloc_retries": "Allocations the allocator retried after freeing its cache.",
+}
+
+
+class RayGauges:
+    """The gauges of one sampler (tags: its GPU labels)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from ray.util.metrics import Gauge
+
+        self.tags = {k: str(labels.get(k, "")) for k in TAGS}
+        self.gauges = {
+            name: Gauge(name, description=text, tag_keys=TAGS) for name, text in RAY_GAUGES.items()
+        }
+        self.updates = 0
+
+    def values(self, snap: Any) -> dict[str, float]:
+        """What each gauge is set to from a sampler snapshot (absent: not known yet)."""
+        out: dict[str, float] = {}
+        if snap.window_max_bytes is not None:
+            out["stepmem_nvml_used_window_max_bytes"] = snap.window_max_bytes
+            out["stepmem_headroom_bytes"] = snap.total_bytes - snap.window_max_bytes
+        rec = snap.last_record
+        if rec:
+            out["stepmem_last_step"] = rec["step"]
+            if rec.get("nvml_peak_bytes") is not None:
+                out["stepmem_last_step_nvml_peak_bytes"] = rec["nvml_peak_bytes"]
+            if rec.get("torch_reserved_peak_bytes") is not None:
+                out["stepmem_last_step_torch_reserved_peak_bytes"] = rec[
+                    "torch_reserved_peak_bytes"
+                ]
+            te = rec.get("torch_end") or {}
+            if "num_ooms" in te:
+                out["stepmem_torch_ooms"] = te["num_ooms"]
+            if "num_alloc_retries" in te:
+                out["stepmem_torch_alloc_retries"] = te["num_alloc_retries"]
+        return out
+
+    def update(self, snap: Any) -> None:
+        for name, v in self.values(snap).items():
+            self.gauges[name].set(float(v), tags=self.tags)
+        self.updates += 1
