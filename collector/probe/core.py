@@ -447,6 +447,7 @@ class StepProbe:
         self._ledger_cache = LedgerCache()
         self._end_reserved: int | None = None  # torch reserved at the last end, all devices
         self._log_peaks: dict[Any, dict[str, int]] = {}  # per device, since the last metrics()
+        self._last_end: dict[Any, dict[str, Any]] = {}  # per device, its newest end record
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -566,7 +567,9 @@ class StepProbe:
                 for k in _LOG_PEAKS:
                     peaks[k] = max(peaks.get(k, 0), torch_stats.get(k, 0))
             if kind == "end":
-                self.records.append({"device": str(d), "begin_ns": self._begin_t, **d_ev})
+                rec = {"device": str(d), "begin_ns": self._begin_t, **d_ev}
+                self.records.append(rec)
+                self._last_end[d] = rec
                 reserved += torch_stats.get("reserved_bytes.all.current", 0)
         self._end_reserved = reserved if kind == "end" and self._cuda else None
         self._step_cost += time.perf_counter_ns() - t0
@@ -653,9 +656,7 @@ class StepProbe:
             vals = [p[key] for p in peaks.values() if key in p]
             if vals:
                 out[f"stepmem/torch_{name}_peak_gib"] = max(vals) / GIB
-        last: dict[str, dict[str, Any]] = {}
-        for r in self.records:  # the newest end record of each device
-            last[r["device"]] = r
+        last = self._last_end
         for key, name in (
             ("allocated_bytes.all.current", "allocated"),
             ("reserved_bytes.all.current", "reserved"),
