@@ -81,6 +81,8 @@ def test_hf_trainer_sends_stepmem_keys_to_tensorboard_mlflow_and_wandb(
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
         "WANDB_SILENT": "true",
+        "WANDB_ERROR_REPORTING": "false",  # nothing leaves the machine
+        "WANDB_DISABLE_GIT": "true",
     }.items():
         monkeypatch.setenv(k, v)
     steps = 16
