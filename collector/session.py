@@ -40,10 +40,13 @@ def terminate_as_interrupt(echo=print) -> None:
         if not stopping:
             stopping = True
             raise KeyboardInterrupt(f"signal {signum}")
-        echo(
-            "stepmem: already stopping (stopping samplers, flushing the run store, stopping Ray); "
-            "kill -9 abandons the flush"
-        )
+        # a closed or broken stdout (the reader went away) must not turn the answer into a
+        # traceback that cuts the flush short
+        with contextlib.suppress(OSError, ValueError):
+            echo(
+                "stepmem: already stopping (stopping samplers, flushing the run store, stopping "
+                "Ray); kill -9 abandons the flush"
+            )
 
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, handler)

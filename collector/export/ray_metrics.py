@@ -40,7 +40,6 @@ class RayGauges:
         self.gauges = {
             name: Gauge(name, description=text, tag_keys=TAGS) for name, text in RAY_GAUGES.items()
         }
-        self.updates = 0
 
     def values(self, snap: Any) -> dict[str, float]:
         """What each gauge is set to from a sampler snapshot (absent: not known yet)."""
@@ -67,4 +66,3 @@ class RayGauges:
     def update(self, snap: Any) -> None:
         for name, v in self.values(snap).items():
             self.gauges[name].set(float(v), tags=self.tags)
-        self.updates += 1
