@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from collector.accounting import outside_share
-from collector.backends import BackendSpec
+from collector.backends import BackendSpec, ReplayControl
 from collector.metrics import gpu_labels
 from collector.procwatch import ProcessWatch, as_reading
 from collector.records import StepEvent
@@ -272,14 +272,14 @@ class SamplerActor:
         """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
         (the job aligns every replayed GPU of a node after they have all started); ``loop``
         False plays the capture once and then holds its last value."""
-        if not hasattr(self.device, "origin_ns"):
+        if not isinstance(self.device, ReplayControl):
             raise TypeError("replay_from is for the replay backend")
         self.device.loop = bool(loop)
         self.device.origin_ns = int(origin_ns)
 
     def inject_fault(self, kind: str, every: int = 1) -> None:
         """Replay backend only: make NVML reads fail (see ``ReplayDevice.inject``)."""
-        if not hasattr(self.device, "inject"):
+        if not isinstance(self.device, ReplayControl):
             raise TypeError("fault injection is for the replay backend")
         self.device.inject(kind, every, time.monotonic_ns())
 

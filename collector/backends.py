@@ -7,11 +7,11 @@ replay of captures recorded on a real GPU (:class:`collector.replay.ReplayBacken
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from collector.records import DeviceInfo, ProcessMemory
 
-__all__ = ["Backend", "BackendSpec", "Device"]
+__all__ = ["Backend", "BackendSpec", "Device", "ReplayControl"]
 
 
 class Device(Protocol):
@@ -34,6 +34,17 @@ class Device(Protocol):
         """(when read, device used then, per-process memory) for the moment ``t_ns``, or as near
         to it as the backend can: live NVML reads now, a replay its snapshot nearest."""
         ...
+
+
+@runtime_checkable
+class ReplayControl(Protocol):
+    """What only a replayed GPU (:class:`collector.replay.ReplayDevice`) does: play from a
+    chosen moment, once or in a loop, and fail its reads on purpose."""
+
+    origin_ns: int  # monotonic time at which capture time 0 plays
+    loop: bool  # play the capture again after its end (else hold its last value)
+
+    def inject(self, kind: str, every: int = 1, from_ns: int = 0) -> None: ...
 
 
 class Backend(Protocol):

@@ -161,3 +161,16 @@ def test_replay_backend_rejects_bad_settings():
         ReplayBackend(["idle"], speed=0)
     with pytest.raises(CaptureError):
         ReplayBackend([])
+
+
+def test_only_a_replayed_gpu_takes_replay_controls():
+    """The sampler actor's replay-only calls (``replay_from``, ``inject_fault``) check the device
+    against the declared :class:`ReplayControl` protocol: a replayed GPU has it, a live one not."""
+    from collector.backends import ReplayControl
+    from collector.nvml import LiveDevice
+
+    backend = ReplayBackend(["idle"], 1, node_id="n")
+    device = backend.open(backend.devices()[0].uuid)
+    assert isinstance(device, ReplayControl)
+    live = LiveDevice.__new__(LiveDevice)  # no NVML here: the protocol reads attributes only
+    assert not isinstance(live, ReplayControl)
