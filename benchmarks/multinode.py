@@ -238,7 +238,8 @@ def main() -> int:
         # the node each sampler was placed for is the node its actor process runs on
         "samplers_on_their_node": all(s["actor_node_id"] == s["node_id"] for s in meta["samplers"]),
         "status": meta.get("status"),
-        "samplers_unreachable": meta.get("samplers_unreachable"),  # failed calls, counted
+        "samplers_unreachable": meta.get("samplers_unreachable"),  # samplers, each once
+        "sampler_calls_failed": meta.get("sampler_calls_failed"),
         "gpus_lost": sum(bool(h.get("unreachable")) for h in meta.get("health") or []),
         "per_gpu": per_gpu,
         **watcher.result,

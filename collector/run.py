@@ -133,7 +133,8 @@ class _Drainer:
         self.cursors = {p.gpu_uuid: 0 for p in placed}
         self.last_step = {p.gpu_uuid: -1 for p in placed}
         self.samples_lost = 0
-        self.unreachable = 0
+        self.unreachable: set[str] = set()  # the samplers a call failed on (names)
+        self.calls_failed = 0
         self.records: dict[str, list[dict[str, Any]]] = {p.gpu_uuid: [] for p in placed}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -150,7 +151,7 @@ class _Drainer:
                         p.handle.step_records.remote(self.last_step[uuid], flush_steps), timeout=30
                     )
                 except Exception as exc:  # a dead sampler leaves a gap; training goes on
-                    self.unreachable += 1
+                    self.lost(p.name)
                     log.warning("run store: sampler %s unreachable: %s", p.name, exc)
                     continue
                 self.writer.add_samples(uuid, d["t_ns"], d["used"], d["reserved"])
@@ -162,6 +163,11 @@ class _Drainer:
                     self.last_step[uuid] = max(r["step"] for r in recs)
             self.writer.add_events(self.outbox.take_events())
             self.writer.flush()
+
+    def lost(self, name: str) -> None:
+        """A call to sampler ``name`` failed: counted, and the sampler named once."""
+        self.unreachable.add(name)
+        self.calls_failed += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -286,7 +292,8 @@ class RunSession:
                 status,
                 health=self.health,
                 samples_lost=self.drainer.samples_lost,
-                samplers_unreachable=self.drainer.unreachable,
+                samplers_unreachable=len(self.drainer.unreachable),
+                sampler_calls_failed=self.drainer.calls_failed,
                 workload_summary=self.summary,
                 error=self.error_text,
             )
@@ -363,7 +370,7 @@ def _final_records(
             records.extend(kept)
             health.append({"alive": False, "unreachable": True, "error": type(exc).__name__})
             if drainer is not None:
-                drainer.unreachable += 1
+                drainer.lost(p.name)
     # the drained copy and a late flush can both hold a step: keep one per (GPU, step)
     unique = {(r["gpu_uuid"], r["step"]): r for r in records}
     return sorted(unique.values(), key=lambda r: (r["gpu_uuid"], r["step"])), health

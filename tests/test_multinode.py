@@ -65,6 +65,9 @@ def test_a_node_removed_mid_run_costs_only_its_own_gpus(multinode):
     # the lost GPUs keep what was drained before the node went, and stop there
     assert all(steps[u] < 40 for u in lost), steps
     assert result["gpus_lost"] == 2
+    # the run store counts the samplers it lost, each once, however many calls to them failed
+    assert result["samplers_unreachable"] == 2
+    assert result["sampler_calls_failed"] >= 2
     report = (out / "report.txt").read_text()
     for g in (result["per_gpu"][u] for u in lost):
         assert f"on node {g['node'][:12]} was LOST" in report
