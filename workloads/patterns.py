@@ -91,9 +91,11 @@ class _Neighbour:
 
         import torch
 
+        from collector.probe.core import EVENTS_ENV
+
         visible = _visible_index(torch.cuda.current_device())
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
-        env.pop("STEPMEM_EVENTS", None)
+        env.pop(EVENTS_ENV, None)  # the neighbour is not a step probe
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _NEIGHBOUR, str(nbytes)],
             stdin=subprocess.PIPE,
