@@ -1,5 +1,5 @@
 """Which line allocated it: reading the allocation history the probe saves
-(:class:`collector.probe.core._History`).
+(:class:`collector.probe.recording.AllocationHistory`).
 
 A snapshot from ``torch.cuda.memory._snapshot()`` holds, per device, the trace of allocator
 actions (``alloc``, ``free_requested``, ``free_completed``, ``segment_alloc``…) with their size,

@@ -278,7 +278,7 @@ def test_history_records_the_first_steps_and_the_step_after_a_jump(tmp_path, mon
     import torch
 
     from collector import history
-    from collector.probe.core import HISTORY_JUMPS, _History
+    from collector.probe.recording import HISTORY_JUMPS, AllocationHistory
 
     calls = []
     monkeypatch.setattr(
@@ -287,7 +287,7 @@ def test_history_records_the_first_steps_and_the_step_after_a_jump(tmp_path, mon
         lambda enabled=None, **kw: calls.append(enabled),
     )
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [[]]})
-    h = _History(tmp_path, steps=3)
+    h = AllocationHistory(tmp_path, steps=3)
     reserved = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 3, 7: 3, 8: 4, 9: 4, 10: 5, 11: 5}  # GiB
     for step in range(1, 12):
         h.begin(step)

@@ -208,10 +208,10 @@ def test_lightning_adapter_gives_the_same_record_shape():
 
 
 def test_the_outbox_keeps_a_bounded_number_of_events(monkeypatch):
-    from collector.probe import core
+    from collector.probe import outbox
     from collector.records import StepEvent
 
-    monkeypatch.setattr(core, "EVENTS_KEPT", 10)
+    monkeypatch.setattr(outbox, "EVENTS_KEPT", 10)
     box = Outbox(None)
     for i in range(25):
         box.put(StepEvent(kind="begin", step=i, t_ns=1 + i, gpu_uuid="GPU-a"))

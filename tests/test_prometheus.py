@@ -450,7 +450,7 @@ def test_a_finished_runs_series_end_with_stale_markers(prom, record_fault):
 def test_per_process_memory_is_labelled_by_ray_name_not_pid(kill_samplers):
     """The neighbour capture: the training process (registered under its Ray name, as a probe's
     outbox does) and a second process that comes at step 3 (not registered: 'other')."""
-    from collector.probe.core import ray_process_label
+    from collector.probe.outbox import ray_process_label
 
     cap = Capture.load(resolve_capture("neighbour"))
     trainer_pid = int(cap.events[0]["torch"]["process_pid"])  # the probe's begin events say

@@ -20,23 +20,24 @@ optimizer_state: activations, temporaries, caches).
 
 Latency impact: ``memory_stats`` costs ≈150 µs a call on an H200, ``mem_get_info`` ≈10 µs; a
 begin/end pair is about 0.35 ms per device, plus ≈0.15 ms per phase mark. Events leave through
-:class:`Outbox`, which never blocks: a Ray actor call is submitted and its result ignored.
+:class:`collector.probe.outbox.Outbox`, which never blocks: a Ray actor call is submitted and its
+result ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import sys
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from collector.probe.ledger import LEDGER_KINDS, LedgerCache, ledger
+from collector.probe.outbox import Outbox, RaySamplers
+from collector.probe.recording import HISTORY_STEPS, AllocationHistory
 from collector.records import ERROR_PREFIX, StepEvent
 
 __all__ = ["TORCH_KEYS", "LedgerCache", "Outbox", "StepProbe", "cuda_uuid", "ledger"]
@@ -60,16 +61,11 @@ TORCH_KEYS = (
 )
 _PATHS = [(k, tuple(k.split("."))) for k in TORCH_KEYS]
 CPU = "cpu"
-EVENTS_KEPT = 200_000
 RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
-HISTORY_STEPS = 3  # steps recorded with allocation stacks when a history folder is given
-HISTORY_MAX_ENTRIES = 200_000  # trace entries PyTorch keeps (a ring); older ones are dropped
 _LOG_PEAKS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
 GIB = 1 << 30
-HISTORY_JUMP_BYTES = 256 << 20  # a jump of torch reserved this large gets its next step recorded
-HISTORY_JUMPS = 2  # steps recorded after jumps, at most, in a run
 
 
 def allocator_mode() -> dict[str, int]:
@@ -102,299 +98,6 @@ def cuda_uuid(device: int) -> str:
     return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
 
 
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
-
-
-LEDGER_KINDS = ("parameters", "gradients", "optimizer_state", "optimizer_state_managed")
-
-
-def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]]:
-    """Bytes of parameters, gradients and optimizer state, per ``torch.device`` they live on.
-
-    Paged (managed) bitsandbytes state — CPU tensors marked ``is_paged`` — is attributed to
-    ``cuda:<page_deviceid>`` under ``optimizer_state_managed``. Tensors are deduplicated by data
-    pointer. One full pass over every tensor: see :class:`LedgerCache` for the per-step cost.
-    """
-    import torch
-
-    out: dict[Any, dict[str, int]] = {}
-    seen: set[int] = set()
-
-    def add(device: Any, kind: str, t: Any) -> None:
-        ptr = t.data_ptr()
-        if ptr in seen:
-            return
-        seen.add(ptr)
-        out.setdefault(device, dict.fromkeys(LEDGER_KINDS, 0))[kind] += _nbytes(t)
-
-    if model is not None:
-        for p in model.parameters():
-            add(p.device, "parameters", p)
-            if p.grad is not None:
-                add(p.grad.device, "gradients", p.grad)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for v in state.values():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                if getattr(v, "is_paged", False):
-                    dev = torch.device("cuda", getattr(v, "page_deviceid", 0) or 0)
-                    add(dev, "optimizer_state_managed", v)
-                else:
-                    add(v.device, "optimizer_state", v)
-    return out
-
-
-class LedgerCache:
-    """The ledger at a per-step cost of one attribute check per parameter.
-
-    A full :func:`ledger` pass over a 7B model with 8-bit optimizer state touches ~2,000 tensors
-    (≈6 ms on the H200 host). Parameter and optimizer-state inventories change when state is
-    created (the first ``optimizer.step()``), so the full pass is redone only when
-    ``len(optimizer.state)`` changes, or every ``refresh_steps`` steps. Per step, gradients are
-    counted from cached parameter sizes for
-    every parameter whose ``.grad`` is set (gradients have their parameter's size and device).
-    """
-
-    def __init__(self, refresh_steps: int = 100) -> None:
-        self.refresh_steps = refresh_steps
-        self.full_passes = 0
-        self._n_state: int | None = None
-        self._taken_at = 0
-        self._static: dict[Any, dict[str, int]] = {}
-        self._params: list[tuple[Any, Any, int]] = []
-
-    def take(self, model: Any, optimizer: Any, step: int) -> dict[Any, dict[str, int]]:
-        n_state = len(optimizer.state) if optimizer is not None else 0
-        if n_state != self._n_state or step - self._taken_at >= self.refresh_steps:
-            self._static = ledger(model, optimizer)
-            self._params = (
-                [(p, p.device, _nbytes(p)) for p in model.parameters()] if model is not None else []
-            )
-            self._n_state = n_state
-            self._taken_at = step
-            self.full_passes += 1
-            for led in self._static.values():
-                led["gradients"] = 0
-        out = {dev: dict(led) for dev, led in self._static.items()}
-        for p, dev, nbytes in self._params:
-            if p.grad is not None:
-                out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))["gradients"] += nbytes
-        return out
-
-
-class Outbox:
-    """Batches step events per GPU and sends them from a background thread; keeps every event.
-
-    The training thread only appends (:meth:`put`, a dict append under a lock) and nudges
-    (:meth:`maybe_flush`). A daemon sender thread does the rest off the hot path: every
-    ``flush_interval_s``, or as soon as a GPU has ``batch_max`` events waiting, it writes the
-    events to ``events_file`` (JSON lines) and submits ``handle.record_events.remote(batch)`` to
-    the GPU's sampler, dropping the returned reference — nothing ever waits on an actor, and a Ray
-    call that stalls stalls only the sender. A batch that cannot be submitted (no sampler, an
-    unusable handle) is counted in ``dropped``; the events stay in ``events`` for the run store.
-    """
-
-    def __init__(
-        self,
-        resolve: Callable[[str], Any] | None,
-        batch_max: int = 64,
-        flush_interval_s: float = 0.5,
-        events_file: str | Path | None = None,
-    ) -> None:
-        self._resolve = resolve
-        self.batch_max = batch_max
-        self.flush_interval_s = flush_interval_s
-        # Every event until taken (take_events); at most EVENTS_KEPT are held, oldest dropped
-        # and counted, so a long run without a run store cannot grow the training process.
-        self.events: deque[dict[str, Any]] = deque()
-        self.sent = 0
-        self.dropped: Counter[str] = Counter()
-        self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._unwritten: list[dict[str, Any]] = []
-        self._file = open(events_file, "a") if events_file else None  # noqa: SIM115
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        # The newest joined step record of each GPU, fetched by the sender thread once
-        # something asked for it (:meth:`StepProbe.metrics`): never waited on.
-        self.want_newest = False
-        self.newest: dict[str, dict[str, Any]] = {}
-        self._asks: dict[str, Any] = {}  # GPU → ObjectRef of a newest_record call in flight
-        self._registered: set[str] = set()  # samplers told this process's Ray name
-
-    def put(self, ev: StepEvent) -> dict[str, Any]:
-        d = ev.to_dict()
-        with self._lock:
-            if len(self.events) >= EVENTS_KEPT:
-                self.events.popleft()
-                self.dropped["events_not_kept"] += 1
-            self.events.append(d)
-            self._pending.setdefault(ev.gpu_uuid, []).append(d)
-            if self._file is not None:
-                self._unwritten.append(d)
-        if self._file is not None:
-            # under `stepmem capture` the sender writes each mark at once: the capture takes
-            # its per-process snapshot at the mark (an Event.set here, the write on the sender)
-            self._wake.set()
-        return d
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """Every event kept so far, removed from the outbox (the run store calls this)."""
-        with self._lock:
-            out = list(self.events)
-            self.events.clear()
-        return out
-
-    def maybe_flush(self) -> None:
-        """Start the sender on first use; wake it early when a batch is full. Never blocks."""
-        if self._thread is None and not self._closed:
-            self._thread = threading.Thread(target=self._run, name="stepmem-outbox", daemon=True)
-            self._thread.start()
-        if any(len(v) >= self.batch_max for v in self._pending.values()):
-            self._wake.set()
-
-    def wake(self) -> None:
-        """Have the sender run now (started on first use). Never blocks."""
-        self.maybe_flush()
-        self._wake.set()
-
-    def drain(self, timeout_s: float = 2.0) -> bool:
-        """Wake the sender and wait up to ``timeout_s`` for everything pending to be sent (a
-        failing step's last events, before the process dies). True when nothing is pending."""
-        self.wake()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._pending:
-                    return True
-            time.sleep(0.01)
-        return False
-
-    def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait(self.flush_interval_s)
-            self._wake.clear()
-            self.flush()
-
-    def flush(self) -> None:
-        """Write and send everything pending now (the sender thread calls this; so does close)."""
-        with self._send_lock:
-            with self._lock:
-                pending, self._pending = self._pending, {}
-                unwritten, self._unwritten = self._unwritten, []
-            self._write(unwritten)
-            for uuid, batch in pending.items():
-                self._send(uuid, batch)
-            if self.want_newest:
-                self._ask_newest({e["gpu_uuid"] for b in pending.values() for e in b})
-
-    def _ask_newest(self, sent_to: set[str]) -> None:
-        """Collect the answers that have arrived (without waiting) and ask again, for every GPU
-        this outbox sends to."""
-        ray = sys.modules.get("ray")
-        if ray is None or not ray.is_initialized():
-            return
-        for uuid in sent_to | set(self._asks):
-            ref = self._asks.get(uuid)
-            try:
-                if ref is not None:
-                    ready, _ = ray.wait([ref], timeout=0)
-                    if not ready:
-                        continue
-                    rec = ray.get(ref, timeout=0)
-                    if rec is not None:
-                        self.newest[uuid] = rec
-                handle = self._resolve(uuid) if self._resolve is not None else None
-                self._asks[uuid] = handle.newest_record.remote() if handle is not None else None
-            except Exception as exc:  # a tracker key missing costs nothing else
-                self._asks[uuid] = None
-                self.dropped["newest_record"] += 1
-                log.debug("newest record from %s failed: %s", uuid, exc)
-
-    def _write(self, events: list[dict[str, Any]]) -> None:
-        if self._file is None or not events:
-            return
-        try:
-            self._file.write("".join(json.dumps(d) + "\n" for d in events))
-            self._file.flush()
-        except OSError as exc:
-            self.dropped["events_file"] += len(events)
-            log.warning("step events file write failed: %s", exc)
-
-    def _send(self, uuid: str, batch: list[dict[str, Any]]) -> None:
-        handle = None
-        if self._resolve is not None:
-            try:
-                handle = self._resolve(uuid)
-            except Exception as exc:  # lookup trouble is the sampler's problem, not training's
-                log.debug("sampler lookup for %s failed: %s", uuid, exc)
-        if handle is None:
-            self.dropped["no_sampler"] += len(batch)
-            return
-        try:
-            handle.record_events.remote(batch)
-            self.sent += len(batch)
-            if uuid not in self._registered:  # once per sampler: who this process is
-                handle.register_process.remote(os.getpid(), ray_process_label())
-                self._registered.add(uuid)
-        except Exception as exc:
-            self.dropped["send_failed"] += len(batch)
-            log.debug("sending %d events to %s failed: %s", len(batch), uuid, exc)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the sender and send what is left (bounded by ``timeout`` for the thread)."""
-        self._closed = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def ray_process_label() -> str:
-    """This process's name in Ray, for the per-process memory series: a named actor's name,
-    ``train_rank_<N>`` in a Ray Train worker, ``actor`` (unnamed), ``driver`` or ``task``.
-    Bounded by the training processes of a GPU, unlike a pid."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return "driver"
-    ctx = ray.get_runtime_context()
-    if ctx.get_actor_id():
-        if ctx.get_actor_name():
-            return ctx.get_actor_name()
-        train = sys.modules.get("ray.train")  # a Train worker has it imported; never import it
-        try:
-            return f"train_rank_{train.get_context().get_world_rank()}" if train else "actor"
-        except Exception:  # an actor that is not a Train worker
-            return "actor"
-    return "driver" if ctx.worker.mode == ray.SCRIPT_MODE else "task"
-
-
-class _RaySamplers:
-    """Resolves a GPU UUID to this node's sampler, once the process is connected to Ray (a
-    process that never imported Ray has no sampler to talk to). Each outbox owns one, with its
-    own lookup cache."""
-
-    def __init__(self) -> None:
-        self._lookup: Any = None
-
-    def __call__(self, uuid: str) -> Any:
-        ray = sys.modules.get("ray")
-        if ray is None or not ray.is_initialized():
-            return None
-        if self._lookup is None:
-            from collector.lookup import SamplerLookup
-
-            self._lookup = SamplerLookup()
-        return self._lookup.find(uuid)
-
-
 class StepProbe:
     """Reads allocator statistics at step marks for every CUDA device this process uses.
 
@@ -405,8 +108,8 @@ class StepProbe:
     ``events_file`` (default: the ``STEPMEM_EVENTS`` environment variable) receives every event
     as a JSON line. ``history_dir`` (default: ``STEPMEM_HISTORY_DIR``; none: off) receives
     PyTorch's allocation history with Python stacks for the first ``history_steps`` steps and a
-    snapshot on out-of-memory (:class:`_History`). Each begin event also carries the process's
-    pid and the allocator's mode (:func:`allocator_mode`).
+    snapshot on out-of-memory (:class:`collector.probe.recording.AllocationHistory`). Each begin
+    event also carries the process's pid and the allocator's mode (:func:`allocator_mode`).
     """
 
     def __init__(
@@ -425,8 +128,8 @@ class StepProbe:
             events_file = os.environ.get(EVENTS_ENV) or None
         if history_dir is None:
             history_dir = os.environ.get(HISTORY_ENV) or None
-        self.history = _History(Path(history_dir), history_steps) if history_dir else None
-        self.outbox = outbox or Outbox(_RaySamplers(), events_file=events_file)
+        self.history = AllocationHistory(Path(history_dir), history_steps) if history_dir else None
+        self.outbox = outbox or Outbox(RaySamplers(), events_file=events_file)
         self.reset_peaks = reset_peaks
         self.model: Any = None
         self.optimizer: Any = None
@@ -664,7 +367,7 @@ class StepProbe:
             vals = [r["torch"][key] for r in last.values() if key in (r.get("torch") or {})]
             if vals:
                 out[f"stepmem/torch_{name}_gib"] = max(vals) / GIB
-        for kind in ("parameters", "gradients", "optimizer_state", "optimizer_state_managed"):
+        for kind in LEDGER_KINDS:
             vals = [r["ledger"][kind] for r in last.values() if kind in (r.get("ledger") or {})]
             if vals:
                 out[f"stepmem/ledger/{kind}_gib"] = max(vals) / GIB
@@ -682,127 +385,3 @@ class StepProbe:
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""
         self.outbox.close()
-
-
-class _History:
-    """Which line allocated it: PyTorch's allocation history with Python stacks
-    (``torch.cuda.memory._record_memory_history``) for the first ``steps`` steps, saved as one
-    snapshot when they end (``history-steps-A-B.pickle``, open it in PyTorch's memory_viz) with
-    the wall-clock time of each step mark (``marks.json``), so each allocation is placed in its
-    step and phase. After that, when torch's reserved memory jumps by more than
-    :data:`HISTORY_JUMP_BYTES` from one step's end to the next, the step after it is recorded
-    too (``history-steps-N-N.pickle``; at most :data:`HISTORY_JUMPS` of them a run). And a
-    snapshot when the allocator runs out of memory (``oom-step-N.pickle``). Between recordings
-    nothing is recorded and the steps pay nothing. Never raises into training; what failed is
-    counted in ``errors``."""
-
-    def __init__(self, folder: Path, steps: int) -> None:
-        self.folder, self.steps = folder, max(0, steps)
-        self.first: int | None = None
-        self.recording = False
-        self.marks: list[dict[str, Any]] = []
-        self.saved: list[str] = []
-        self.errors: Counter[str] = Counter()
-        self.cost_ns = 0  # time spent starting, snapshotting and stopping (not per allocation)
-        self.window_done = self.steps == 0  # the first steps' recording is over
-        self.jumps_left = HISTORY_JUMPS
-        self.armed: int | None = None  # the step to record after a jump
-        self.armed_jump = 0  # that jump, bytes
-        self.recorded_from: int | None = None  # first step of the recording in progress
-        self._reserved: int | None = None  # torch reserved at the last step's end
-
-    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return fn()
-        except Exception as exc:  # history is an aid; training goes on without it
-            self.errors[f"{what}:{type(exc).__name__}"] += 1
-            log.debug("memory history %s failed: %s", what, exc)
-            return None
-        finally:
-            self.cost_ns += time.perf_counter_ns() - t0
-
-    def begin(self, step: int) -> None:
-        if (self.first is None and self.steps) or (step == self.armed and not self.recording):
-            if self.first is None:
-                self.first = step
-            self.armed = None
-
-            def start() -> None:
-                import torch
-
-                self.folder.mkdir(parents=True, exist_ok=True)
-                torch.cuda.memory._record_memory_history(
-                    enabled="all", context="all", stacks="python", max_entries=HISTORY_MAX_ENTRIES
-                )
-                self.recording = True
-                self.recorded_from = step
-
-            self._guard("start", start)
-        jump, self.armed_jump = self.armed_jump, 0
-        self.mark(step, "begin", **({"after_jump": jump} if jump else {}))
-
-    def mark(self, step: int, kind: str, phase: str = "", **extra: Any) -> None:
-        if self.recording:
-            self.marks.append(
-                {
-                    "step": step,
-                    "kind": kind,
-                    "phase": phase,
-                    "wall_us": time.time_ns() // 1000,
-                    **extra,
-                }
-            )
-
-    def end(self, step: int, reserved: int | None = None) -> None:
-        """``reserved``: torch's reserved bytes at this end (all devices), to find jumps."""
-        jump = (
-            reserved - self._reserved if reserved is not None and self._reserved is not None else 0
-        )
-        self._reserved = reserved if reserved is not None else self._reserved
-        self.mark(step, "end", reserved_jump=jump)
-        first = self.recorded_from
-        if self.recording and first is not None:
-            if not self.window_done and step >= first + self.steps - 1:
-                self.window_done = True
-                self._save_and_stop(first, step)
-            elif self.window_done:  # the step after a jump
-                self._save_and_stop(first, step)
-        elif self.window_done and jump > HISTORY_JUMP_BYTES and self.jumps_left > 0:
-            self.jumps_left -= 1
-            self.armed, self.armed_jump = step + 1, jump  # record the next step
-
-    def _save_and_stop(self, first: int, last: int) -> None:
-        name = f"history-steps-{first}-{last}.pickle"
-        self._guard("snapshot", lambda: self._save(name))
-        self._guard("stop", self._stop)
-        self.recorded_from = None
-
-    def _stop(self) -> None:
-        import torch
-
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.recording = False
-
-    def _save(self, name: str) -> None:
-        import pickle
-
-        import torch
-
-        snap = torch.cuda.memory._snapshot()
-        with open(self.folder / name, "wb") as f:
-            pickle.dump(snap, f)
-        (self.folder / "marks.json").write_text(json.dumps(self.marks))
-        self.saved.append(name)
-
-    def attach_oom_observer(self, current_step: Callable[[], int | None]) -> None:
-        def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-            step = current_step()
-            self._guard("oom", lambda: self._save(f"oom-step-{step}.pickle"))
-
-        def attach() -> None:
-            import torch
-
-            torch._C._cuda_attach_out_of_memory_observer(observer)
-
-        self._guard("attach", attach)
