@@ -176,6 +176,44 @@ def test_replay_resampling_at_another_rate(tmp_path):
     assert 150 <= len(cap.t_ns) <= 260 and cap.device["backend"] == "replay"
 
 
+_STEPS_SCRIPT = """
+import time
+from collector.probe.core import StepProbe
+probe = StepProbe(devices=[])
+time.sleep(0.4)
+for i in range(1, 6):
+    with probe.step(i):
+        time.sleep(0.05)
+probe.close()
+time.sleep(0.4)
+"""
+
+
+def test_a_capture_of_a_command_keeps_its_step_events_trimmed_to_them(tmp_path):
+    """`stepmem capture -- CMD`: the command's probe writes its step events to the file the
+    capture names; --trim keeps the samples from 0.1 s before the first event to 0.1 s after the
+    last, and events and per-process snapshots are moved onto the first kept sample's clock."""
+    out = tmp_path / "cmd.capture.parquet"
+    res = stepmem(
+        *("capture", "--backend", "replay", "--capture", "idle", "--rate", "500"),
+        *("--trim", "0.1", "--out", str(out), "--", sys.executable, "-c", _STEPS_SCRIPT),
+    )
+    assert res.returncode == 0, res.stderr
+    cap = Capture.load(out)
+    assert cap.notes["returncode"] == 0
+    kinds = [(e["kind"], e["step"]) for e in cap.events]
+    assert kinds == [(k, i) for i in range(1, 6) for k in ("begin", "end")]
+    first, last = cap.events[0]["t_ns"], cap.events[-1]["t_ns"]
+    period = 2_000_000  # 500 Hz
+    assert cap.t_ns[0] == 0
+    # the first kept sample is ≈0.1 s before the first event, the last ≈0.1 s after the last
+    assert 0.1e9 - 4 * period <= first <= 0.1e9 + 4 * period, first
+    assert 0.1e9 - 4 * period <= int(cap.t_ns[-1]) - last <= 0.1e9 + 4 * period
+    # without the trim the capture would hold the 0.4 s before and after the steps
+    assert int(cap.t_ns[-1]) < last + 0.2e9
+    assert cap.processes and all(0 <= p["t_ns"] <= int(cap.t_ns[-1]) for p in cap.processes)
+
+
 @pytest.mark.ray
 def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     out = tmp_path / "records.json"
