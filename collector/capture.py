@@ -92,6 +92,71 @@ def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str
     return [ev for ev in out if {"begin", "end"} <= kinds[ev["step"]]]
 
 
+def _run_while_sampling(
+    device: Any, t0: int, command: list[str] | None, seconds: float
+) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run ``command`` (or wait ``seconds``) while the sampler runs; a command still running
+    after ``seconds`` is terminated. Returns its exit code, the step events its probe wrote (on
+    the sampler's clock, from ``t0``) and the per-process snapshots taken at each step mark and
+    every :data:`PROCESS_SNAPSHOT_S` between them."""
+    procs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="stepmem-capture-") as tmp:
+        events_path = Path(tmp) / "events.jsonl"
+        env = {**os.environ, EVENTS_ENV: str(events_path)}
+        child = subprocess.Popen(command, env=env) if command else None
+        deadline = time.monotonic() + seconds
+        rc = 0
+        marks = _MarkWatcher(events_path)
+        next_snap = 0.0
+        while time.monotonic() < deadline:
+            at = marks.new()  # a step mark since the last look: a snapshot for it now
+            if at is not None or time.monotonic() >= next_snap:
+                snap = _process_snapshot(device, t0, at)
+                if snap is not None:
+                    procs.append(snap)
+                next_snap = time.monotonic() + PROCESS_SNAPSHOT_S
+            if child is not None and child.poll() is not None:
+                rc = child.returncode
+                break
+            time.sleep(MARK_POLL_S)
+        else:
+            if child is not None:
+                child.terminate()
+                rc = child.wait()
+        time.sleep(0.2)  # the tail after the command exits
+        events = []
+        if events_path.exists():
+            for line in events_path.read_text().splitlines():
+                ev = json.loads(line)
+                ev["t_ns"] -= t0
+                events.append(ev)
+    return rc, events, procs
+
+
+def _trim_and_rebase(
+    w: Any,
+    events: list[dict[str, Any]],
+    procs: list[dict[str, Any]],
+    t0: int,
+    trim_s: float | None,
+) -> Any:
+    """Keep the samples (and snapshots) from ``trim_s`` before the first step event to ``trim_s``
+    after the last (all of them when ``trim_s`` is None), and move events and snapshots from the
+    sampler's origin ``t0`` onto the first kept sample (in place). Returns the kept samples."""
+    if trim_s is not None and events:
+        lo = min(ev["t_ns"] for ev in events) + t0 - int(trim_s * 1e9)
+        hi = max(ev["t_ns"] for ev in events) + t0 + int(trim_s * 1e9)
+        keep = (w.t_ns >= lo) & (w.t_ns <= hi)
+        w = type(w)(w.t_ns[keep], w.used[keep], w.reserved[keep])
+        procs[:] = [p for p in procs if lo <= p["t_ns"] + t0 <= hi]
+    first = int(w.t_ns[0])
+    for ev in events:  # events are on the sampler's clock origin t0; rebase onto the first sample
+        ev["t_ns"] -= first - t0
+    for snap in procs:
+        snap["t_ns"] -= first - t0
+    return w
+
+
 def record(
     out: Path,
     uuid: str | None,
@@ -121,59 +186,19 @@ def record(
     device = backend.open(uuid)
     seconds = duration_s if command is None else max_s
     sampler = Sampler(device, rate, capacity=_capacity(rate, seconds))
-    procs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="stepmem-capture-") as tmp:
-        events_path = Path(tmp) / "events.jsonl"
-        env = {**os.environ, EVENTS_ENV: str(events_path)}
-        sampler.start()
-        t0 = sampler.started_ns
-        child = subprocess.Popen(command, env=env) if command else None
-        deadline = time.monotonic() + seconds
-        rc = 0
-        marks = _MarkWatcher(events_path)
-        next_snap = 0.0
-        while time.monotonic() < deadline:
-            at = marks.new()  # a step mark since the last look: a snapshot for it now
-            if at is not None or time.monotonic() >= next_snap:
-                snap = _process_snapshot(device, t0, at)
-                if snap is not None:
-                    procs.append(snap)
-                next_snap = time.monotonic() + PROCESS_SNAPSHOT_S
-            if child is not None and child.poll() is not None:
-                rc = child.returncode
-                break
-            time.sleep(MARK_POLL_S)
-        else:
-            if child is not None:
-                child.terminate()
-                rc = child.wait()
-        time.sleep(0.2)  # the tail after the command exits
-        sampler.stop()
-        events = []
-        if events_path.exists():
-            for line in events_path.read_text().splitlines():
-                ev = json.loads(line)
-                ev["t_ns"] -= t0
-                events.append(ev)
+    sampler.start()
+    t0 = sampler.started_ns
+    rc, events, procs = _run_while_sampling(device, t0, command, seconds)
+    sampler.stop()
     w = sampler.ring.snapshot()
     if not events and isinstance(device, ReplayDevice):
         events = replayed_events(device, t0, int(w.t_ns[-1]) if len(w) else t0)
     if w.lost or sampler.ring.count > sampler.ring.capacity:
         echo(f"warning: the ring overran; the capture keeps the last {len(w)} samples")
-    if trim_s is not None and events:
-        lo = min(ev["t_ns"] for ev in events) + t0 - int(trim_s * 1e9)
-        hi = max(ev["t_ns"] for ev in events) + t0 + int(trim_s * 1e9)
-        keep = (w.t_ns >= lo) & (w.t_ns <= hi)
-        w = type(w)(w.t_ns[keep], w.used[keep], w.reserved[keep])
-        procs = [p for p in procs if lo <= p["t_ns"] + t0 <= hi]
-    first = int(w.t_ns[0])
-    for ev in events:  # events are on the sampler's clock origin t0; rebase onto the first sample
-        ev["t_ns"] -= first - t0
-    for snap in procs:
-        snap["t_ns"] -= first - t0
+    w = _trim_and_rebase(w, events, procs, t0, trim_s)
     info = infos[uuid]
     cap = Capture(
-        t_ns=(w.t_ns - first).astype(np.int64),
+        t_ns=(w.t_ns - w.t_ns[0]).astype(np.int64),
         used=w.used,
         reserved=w.reserved,
         device={
