@@ -143,6 +143,168 @@ def _note(ax: Any, text: str, xy: tuple[float, float], dy: float, color: str, ar
     )
 
 
+def _draw_steps(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """Each step's span shaded, its number under it (at most ~25 numbers on the axis), a failed
+    or interrupted step in red with its error."""
+    every = max(1, len(steps) // 25)
+    for k, s in enumerate(steps):
+        if s["error"]:  # a step that failed (OOM) or was interrupted
+            ax.axvspan(s["begin"], s["end"], color="#f4c7c3", zorder=0)
+            ax.text(
+                s["end"],
+                0.5,
+                f" step {s['step']}: {s['error']}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=8,
+                color="#aa0000",
+                rotation=90,
+                va="center",
+            )
+            continue
+        ax.axvspan(s["begin"], s["end"], color="#e8e8e8" if k % 2 else "#f6f6f6", zorder=0)
+        if k % every == 0:
+            ax.text(
+                (s["begin"] + s["end"]) / 2,
+                0.01,
+                str(s["step"]),
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                fontsize=7,
+                color="#777777",
+            )
+
+
+def _draw_stacks(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """The accounting's components stacked to NVML end when there are per-process readings,
+    else the ledger's kinds (what live tensors are)."""
+    ends = [s["end"] for s in steps]
+    bottom = [0.0] * len(ends)
+    split = any(s["account"] for s in steps)
+    stacks = ACCOUNT if split else LEDGER
+    for kind in stacks:
+        if split:
+            vals = [max(0.0, s["account"].get(kind, 0.0)) for s in steps]
+        else:
+            vals = [s["ledger"][kind] for s in steps]
+        if any(vals):
+            tops = [b + v for b, v in zip(bottom, vals, strict=True)]
+            ax.fill_between(
+                ends,
+                bottom,
+                tops,
+                step="pre",
+                alpha=0.3,
+                color=COLORS[kind],
+                label=kind if split else f"ledger: {kind.replace('_', ' ')}",
+                lw=0,
+            )
+            bottom = tops
+
+
+def _draw_readings(
+    ax: Any, steps: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """Peak against end, per step: a red bar at the peak across the step, a blue dot at the end
+    reading (the gap between them is what an end-of-step reading hides), torch reserved at the
+    end. Returns the steps with a peak and the (end, reserved) points."""
+    measured = [s for s in steps if s["nvml_peak"] is not None]
+    ax.hlines(
+        [s["nvml_peak"] for s in measured],
+        [s["begin"] for s in measured],
+        [s["end"] for s in measured],
+        color="crimson",
+        lw=1.6,
+        zorder=3,
+        label="NVML within-step peak",
+    )
+    ax.scatter(
+        [s["peak_t"] for s in measured],
+        [s["nvml_peak"] for s in measured],
+        marker="v",
+        color="crimson",
+        s=22,
+        zorder=4,
+    )
+    ended = [s for s in steps if s["nvml_end"] is not None]
+    ax.scatter(
+        [s["end"] for s in ended],
+        [s["nvml_end"] for s in ended],
+        marker="o",
+        s=18,
+        color="#1f5fbf",
+        zorder=4,
+        label="NVML at step end",
+    )
+    re = [(s["end"], s["reserved_end"]) for s in steps if s["reserved_end"]]
+    if re:
+        ax.scatter(
+            *zip(*re, strict=True),
+            marker="_",
+            s=140,
+            color="#e08000",
+            zorder=4,
+            label="torch reserved at step end + context",
+        )
+    return measured, re
+
+
+def _draw_notes(
+    ax: Any, p: dict[str, Any], steps: list[dict[str, Any]], measured: list[dict[str, Any]]
+) -> None:
+    """The step whose peak is farthest above its end, and what the accounting found (at most 4
+    changes), each at the step it happened."""
+    spread = [(s["nvml_peak"] - s["nvml_end"], s) for s in measured if s["nvml_end"] is not None]
+    if spread:
+        gap, big = max(spread, key=lambda x: x[0])
+        if gap > 0:
+            _note(
+                ax,
+                f"step {big['step']}: peak {big['nvml_peak']:.2f} GiB, "
+                f"end {big['nvml_end']:.2f} GiB (+{gap:.2f})",
+                (big["peak_t"], big["nvml_peak"]),
+                14,
+                "crimson",
+                "-",
+            )
+    by_step = {s["step"]: s for s in steps}
+    for c in p["changes"][:4]:
+        s = by_step.get(c["step"])
+        if s is None or s["nvml_end"] is None:
+            continue
+        _note(
+            ax,
+            f"step {c['step']}: {c['component']} {c['delta'] / GIB:+.2f} GiB",
+            (s["end"], s["nvml_end"]),
+            -22 if c["delta"] < 0 else 22,
+            "#5a2d82",
+            "->",
+        )
+
+
+def _scale(ax: Any, p: dict[str, Any], values: list[float], peak: float) -> None:
+    """The y range over ``values``, with the card's capacity drawn when it is near enough to
+    them (else written in a corner with the share the largest peak ``peak`` uses)."""
+    top = max(values, default=p["total"] or 1.0)
+    low = min(values, default=0.0)
+    y0 = 0.0 if low < 0.5 * top else low - 0.1 * (top - low)
+    y1 = top + 0.15 * (top - y0)
+    if p["total"] and p["total"] <= FAR * top:
+        ax.axhline(p["total"], color="#aa0000", lw=0.6, ls="--", label="capacity")
+        y1 = max(y1, p["total"] * 1.03)
+    elif p["total"]:
+        ax.text(
+            0.99,
+            0.97,
+            f"capacity {p['total']:.1f} GiB (off scale; peak uses {100 * peak / p['total']:.1f} %)",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=8,
+            color="#aa0000",
+        )
+    ax.set_ylim(y0, y1)
+
+
 def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     import matplotlib
 
@@ -154,147 +316,14 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
     for ax, p in zip(axes[:, 0], panels, strict=True):
         x0, x1, t, used = _view(p)
         steps = p["steps"]
-        every = max(1, len(steps) // 25)  # at most ~25 step numbers on the axis
-        for k, s in enumerate(steps):
-            if s["error"]:  # a step that failed (OOM) or was interrupted
-                ax.axvspan(s["begin"], s["end"], color="#f4c7c3", zorder=0)
-                ax.text(
-                    s["end"],
-                    0.5,
-                    f" step {s['step']}: {s['error']}",
-                    transform=ax.get_xaxis_transform(),
-                    fontsize=8,
-                    color="#aa0000",
-                    rotation=90,
-                    va="center",
-                )
-                continue
-            ax.axvspan(s["begin"], s["end"], color="#e8e8e8" if k % 2 else "#f6f6f6", zorder=0)
-            if k % every == 0:
-                ax.text(
-                    (s["begin"] + s["end"]) / 2,
-                    0.01,
-                    str(s["step"]),
-                    transform=ax.get_xaxis_transform(),
-                    ha="center",
-                    fontsize=7,
-                    color="#777777",
-                )
-        ends = [s["end"] for s in steps]
-        bottom = [0.0] * len(ends)
-        # the accounting's components stacked to NVML end when there are per-process readings,
-        # else the ledger's kinds (what live tensors are)
-        split = any(s["account"] for s in steps)
-        stacks = ACCOUNT if split else LEDGER
-        for kind in stacks:
-            if split:
-                vals = [max(0.0, s["account"].get(kind, 0.0)) for s in steps]
-            else:
-                vals = [s["ledger"][kind] for s in steps]
-            if any(vals):
-                tops = [b + v for b, v in zip(bottom, vals, strict=True)]
-                ax.fill_between(
-                    ends,
-                    bottom,
-                    tops,
-                    step="pre",
-                    alpha=0.3,
-                    color=COLORS[kind],
-                    label=kind if split else f"ledger: {kind.replace('_', ' ')}",
-                    lw=0,
-                )
-                bottom = tops
+        _draw_steps(ax, steps)
+        _draw_stacks(ax, steps)
         ax.plot(t, used, lw=0.7, color="#333333", label="NVML used (full rate)", zorder=2)
-        measured = [s for s in steps if s["nvml_peak"] is not None]
-        # peak against end, per step: a red bar at the peak across the step, a blue dot at the
-        # end reading; the gap between them is what an end-of-step reading hides
-        ax.hlines(
-            [s["nvml_peak"] for s in measured],
-            [s["begin"] for s in measured],
-            [s["end"] for s in measured],
-            color="crimson",
-            lw=1.6,
-            zorder=3,
-            label="NVML within-step peak",
-        )
-        ax.scatter(
-            [s["peak_t"] for s in measured],
-            [s["nvml_peak"] for s in measured],
-            marker="v",
-            color="crimson",
-            s=22,
-            zorder=4,
-        )
-        ended = [s for s in steps if s["nvml_end"] is not None]
-        ax.scatter(
-            [s["end"] for s in ended],
-            [s["nvml_end"] for s in ended],
-            marker="o",
-            s=18,
-            color="#1f5fbf",
-            zorder=4,
-            label="NVML at step end",
-        )
-        re = [(s["end"], s["reserved_end"]) for s in steps if s["reserved_end"]]
-        if re:
-            ax.scatter(
-                *zip(*re, strict=True),
-                marker="_",
-                s=140,
-                color="#e08000",
-                zorder=4,
-                label="torch reserved at step end + context",
-            )
-        spread = [
-            (s["nvml_peak"] - s["nvml_end"], s) for s in measured if s["nvml_end"] is not None
-        ]
-        if spread:
-            gap, big = max(spread, key=lambda x: x[0])
-            if gap > 0:
-                _note(
-                    ax,
-                    f"step {big['step']}: peak {big['nvml_peak']:.2f} GiB, "
-                    f"end {big['nvml_end']:.2f} GiB (+{gap:.2f})",
-                    (big["peak_t"], big["nvml_peak"]),
-                    14,
-                    "crimson",
-                    "-",
-                )
-        by_step = {s["step"]: s for s in steps}
-        for c in p["changes"][:4]:  # what the accounting found, at the step it happened
-            s = by_step.get(c["step"])
-            if s is None or s["nvml_end"] is None:
-                continue
-            _note(
-                ax,
-                f"step {c['step']}: {c['component']} {c['delta'] / GIB:+.2f} GiB",
-                (s["end"], s["nvml_end"]),
-                -22 if c["delta"] < 0 else 22,
-                "#5a2d82",
-                "->",
-            )
+        measured, re = _draw_readings(ax, steps)
+        _draw_notes(ax, p, steps, measured)
         values = [*used, *(s["nvml_peak"] for s in measured), *(v for _, v in re)]
         values += [sum(s["ledger"].values()) for s in steps]
-        top = max(values, default=p["total"] or 1.0)
-        low = min(values, default=0.0)
-        y0 = 0.0 if low < 0.5 * top else low - 0.1 * (top - low)
-        y1 = top + 0.15 * (top - y0)
-        if p["total"] and p["total"] <= FAR * top:
-            ax.axhline(p["total"], color="#aa0000", lw=0.6, ls="--", label="capacity")
-            y1 = max(y1, p["total"] * 1.03)
-        elif p["total"]:
-            ax.text(
-                0.99,
-                0.97,
-                f"capacity {p['total']:.1f} GiB (off scale; peak uses "
-                f"{100 * max((s['nvml_peak'] for s in measured), default=0) / p['total']:.1f} %)",
-                transform=ax.transAxes,
-                ha="right",
-                va="top",
-                fontsize=8,
-                color="#aa0000",
-            )
-        ax.set_ylim(y0, y1)
+        _scale(ax, p, values, max((s["nvml_peak"] for s in measured), default=0))
         ax.set_xlim(x0, x1)
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("seconds since the first sample")
