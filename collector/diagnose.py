@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from collector.accounting import (
+    Account,
     accounts,
     allocator_mode,
     changes,
@@ -246,7 +247,16 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     """Rule 7: the allocator's mode, every byte of the last step's end, and each step-to-step
     change of what lies outside torch, from the accounting identity
     (:mod:`collector.accounting`)."""
-    out = []
+    out = _allocator_mode(recs)
+    accs = accounts(recs)
+    if not accs:
+        return out
+    out.append(_identity(accs[-1]))
+    return out + _component_changes(recs, accs)
+
+
+def _allocator_mode(recs: list[dict[str, Any]]) -> list[Finding]:
+    """The caching allocator switched off, or running with expandable segments."""
     mode = allocator_mode(recs)
     if mode["caching_disabled"]:
         why = (
@@ -254,7 +264,7 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
             if mode["from_environment"]
             else "torch's statistics stay 0 while NVML moves"
         )
-        out.append(
+        return [
             Finding(
                 "allocator_mode",
                 f"The CUDA caching allocator is off ({why}): every tensor goes to and from the "
@@ -262,9 +272,9 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
                 "counts as outside torch below and the torch columns say nothing.",
                 mode,
             )
-        )
-    elif mode["expandable_segments"]:
-        out.append(
+        ]
+    if mode["expandable_segments"]:
+        return [
             Finding(
                 "allocator_mode",
                 "The allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF): "
@@ -272,11 +282,12 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
                 "inactive split memory are expected.",
                 mode,
             )
-        )
-    accs = accounts(recs)
-    if not accs:
-        return out
-    a = accs[-1]
+        ]
+    return []
+
+
+def _identity(a: Account) -> Finding:
+    """Every byte of one step's end: NVML used as the sum of the accounting's components."""
     live = ""
     if a.live:
         live = ": " + ", ".join(f"{k.replace('_', ' ')} {g(v)}" for k, v in a.live.items())
@@ -287,33 +298,34 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
     if a.unsplit is not None:
         rest = f"outside torch, unsplit {g(a.unsplit)} ({a.unsplit_why})"
     else:
+        when = ""
+        if a.read_after_ms is not None and a.read_after_ms >= 0:
+            when = f" (per-process reading taken {a.read_after_ms:.0f} ms after the end mark)"
+        elif a.read_after_ms is not None:
+            when = (
+                f" (per-process reading taken {-a.read_after_ms:.0f} ms before the end "
+                "mark, the last time device memory moved)"
+            )
         rest = (
             f"outside torch in this process {g(a.outside or 0)} + other processes "
             f"{g(a.other_processes)} + no process (managed/UVM) {g(a.no_process or 0)} + "
-            f"remainder {g(a.remainder)}"
-            + (
-                (
-                    f" (per-process reading taken {a.read_after_ms:.0f} ms after the end mark)"
-                    if a.read_after_ms >= 0
-                    else f" (per-process reading taken {-a.read_after_ms:.0f} ms before the end "
-                    "mark, the last time device memory moved)"
-                )
-                if a.read_after_ms is not None
-                else ""
-            )
+            f"remainder {g(a.remainder)}{when}"
         )
-    out.append(
-        Finding(
-            "accounting",
-            f"Every byte at the end of step {a.step}: NVML used {g(a.device_used)} = baseline "
-            f"{g(a.baseline)} + {torch_part} + {rest}.",
-            {"step": a.step, **{k: v for k, v in a.components().items()}},
-        )
+    return Finding(
+        "accounting",
+        f"Every byte at the end of step {a.step}: NVML used {g(a.device_used)} = baseline "
+        f"{g(a.baseline)} + {torch_part} + {rest}.",
+        {"step": a.step, **{k: v for k, v in a.components().items()}},
     )
+
+
+def _component_changes(recs: list[dict[str, Any]], accs: list[Account]) -> list[Finding]:
+    """Each step-to-step change outside torch reserved (rule 2 explains reserved's jumps), one
+    finding per component, each change placed between two step marks."""
     by_component: dict[str, list[dict[str, Any]]] = {}
     by_step = {r["step"]: r for r in recs}
     for c in changes(accs):
-        if c["component"] != "torch reserved":  # rule 2 explains reserved's jumps
+        if c["component"] != "torch reserved":
             where = locate(c, by_step)
             if where is not None:
                 c["where"] = where
@@ -325,6 +337,7 @@ def _accounting(recs: list[dict[str, Any]]) -> list[Finding]:
             f"; no per-process reading describes the end of step(s) {steps_text(unread)}, so "
             "a change there is measured from the step before them"
         )
+    out = []
     for name, cs in by_component.items():
         steps = ", ".join(
             f"{'+' if c['delta'] > 0 else '−'}{g(abs(c['delta']))} at step {c['step']}"
