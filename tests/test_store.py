@@ -139,3 +139,38 @@ def test_records_read_back_typed(tmp_path):
     back = RunStore(tmp_path / "run").records()
     assert back == written
     assert back[2].nvml_peak_bytes is None and back[2].nvml_end_bytes is None
+
+
+def _non_default(name, type_text, i):
+    """A value for a StepRecord field of this type, different from its default."""
+    if type_text.startswith("int"):
+        return 1_000 + i
+    if type_text == "str":
+        return f"{name}-value"
+    if type_text == "dict[str, int]":
+        return {"some.key": 7 + i}
+    if type_text == "dict[str, Any]":
+        return {"t_ns": 5, "device_used": 9, "procs": [[1, 2, "python"]]}
+    if type_text.startswith("list"):
+        return [{"phase": "optimizer", "nvml_begin_bytes": i}]
+    raise AssertionError(f"StepRecord.{name}: a field of type {type_text} — teach the store it")
+
+
+def test_every_step_record_field_is_stored_and_read_back(tmp_path):
+    """The store's columns follow StepRecord's fields: a record with every field set to a value
+    other than its default comes back equal, so a per-step number added to StepRecord is kept
+    without a change to the store."""
+    import dataclasses
+
+    from collector.records import StepRecord
+
+    values = {
+        f.name: _non_default(f.name, str(f.type), i)
+        for i, f in enumerate(dataclasses.fields(StepRecord))
+    }
+    rec = StepRecord(**values)
+    assert all(getattr(rec, f.name) != f.default for f in dataclasses.fields(StepRecord))
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_records([rec.to_dict()])
+    w.close()
+    assert RunStore(tmp_path / "run").records() == [rec]
