@@ -10,11 +10,10 @@ Layout of a run directory (``runs/<run_id>/`` by default)::
                                       torch (JSON), ledger (JSON)
 
 Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keeps each sampler's
-``wall_offset_ns`` (wall = monotonic + offset). Step columns: ``gpu_uuid, step, begin_ns,
-end_ns, samples, gap, error, nvml_peak_bytes, nvml_peak_t_ns, nvml_min_bytes, nvml_end_bytes,
-nvml_reserved_bytes, nvml_begin_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes``,
-every ``torch_end.<key>``, ``torch_begin.<key>`` and ``ledger.<kind>`` flattened, and ``phases``
-and ``processes`` (JSON).
+``wall_offset_ns`` (wall = monotonic + offset). Step columns: one per field of
+:class:`collector.records.StepRecord` (:data:`STEP_COLUMNS`: ``gpu_uuid, step, begin_ns, end_ns,
+samples, nvml_peak_bytes``…), every ``torch_end.<key>``, ``torch_begin.<key>`` and
+``ledger.<kind>`` flattened, and ``phases`` and ``processes`` (JSON).
 
 Written incrementally: each flush writes new part files, each one to a temporary name renamed
 into place, so a crash loses at most what arrived since the last flush and never leaves a torn
@@ -25,6 +24,7 @@ file; ``meta.json`` is rewritten the same way. A run killed mid-way reads like a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from collector.errors import StepmemError
 from collector.records import StepRecord
 
-__all__ = ["RunStore", "RunWriter", "StoreError", "flatten_record"]
+__all__ = ["STEP_COLUMNS", "RunStore", "RunWriter", "StoreError", "flatten_record"]
 
 log = logging.getLogger(__name__)
 
@@ -64,34 +64,22 @@ def _write_table(path: Path, table: pa.Table) -> None:
     os.replace(tmp, path)
 
 
+# How each StepRecord field is stored: the dicts of numbers as one column per key
+# (``torch_end.<key>``), the nested ones as JSON; every other field is a column of its own.
+_FLAT_DICTS = ("torch_end", "torch_begin", "ledger")
+_JSON = ("phases", "processes")
+STEP_COLUMNS = tuple(
+    f.name for f in dataclasses.fields(StepRecord) if f.name not in _FLAT_DICTS + _JSON
+)
+
+
 def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
-    """A step record as one flat row (see the module docstring for the columns)."""
-    row = {
-        k: rec.get(k)
-        for k in (
-            "gpu_uuid",
-            "step",
-            "begin_ns",
-            "end_ns",
-            "samples",
-            "gap",
-            "error",
-            "nvml_peak_bytes",
-            "nvml_peak_t_ns",
-            "nvml_min_bytes",
-            "nvml_end_bytes",
-            "nvml_reserved_bytes",
-            "nvml_begin_bytes",
-            "torch_allocated_peak_bytes",
-            "torch_reserved_peak_bytes",
-        )
-    }
-    for k, v in (rec.get("torch_end") or {}).items():
-        row[f"torch_end.{k}"] = v
-    for k, v in (rec.get("torch_begin") or {}).items():
-        row[f"torch_begin.{k}"] = v
-    for k, v in (rec.get("ledger") or {}).items():
-        row[f"ledger.{k}"] = v
+    """A step record as one flat row (see the module docstring for the columns). A field added
+    to :class:`StepRecord` is a column here without a change to this function."""
+    row = {k: rec.get(k) for k in STEP_COLUMNS}
+    for name in _FLAT_DICTS:
+        for k, v in (rec.get(name) or {}).items():
+            row[f"{name}.{k}"] = v
     row["phases"] = json.dumps(rec.get("phases") or [])
     row["processes"] = json.dumps(rec.get("processes") or {})
     return row
@@ -100,17 +88,14 @@ def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
 def unflatten_record(row: dict[str, Any]) -> dict[str, Any]:
     """A flat row (:func:`flatten_record`) back as a record dict; a missing value (NaN, a
     column other rows have) is left out."""
-    rec: dict[str, Any] = {"torch_end": {}, "torch_begin": {}, "ledger": {}}
+    rec: dict[str, Any] = {name: {} for name in _FLAT_DICTS}
     for k, v in row.items():
         if isinstance(v, float) and math.isnan(v):
             continue
-        if k.startswith("torch_end."):
-            rec["torch_end"][k.removeprefix("torch_end.")] = int(v)
-        elif k.startswith("torch_begin."):
-            rec["torch_begin"][k.removeprefix("torch_begin.")] = int(v)
-        elif k.startswith("ledger."):
-            rec["ledger"][k.removeprefix("ledger.")] = int(v)
-        elif k in ("phases", "processes"):
+        name, dot, key = k.partition(".")
+        if dot and name in _FLAT_DICTS:
+            rec[name][key] = int(v)
+        elif k in _JSON:
             rec[k] = json.loads(v)
         else:
             v = v.item() if hasattr(v, "item") else v
