@@ -165,11 +165,9 @@ def test_ledger_cache_redoes_the_full_pass_only_when_state_appears():
     assert cache.full_passes == 3
 
 
-def test_lightning_adapter_gives_the_same_record_shape():
-    pytest.importorskip("lightning")
+def lightning_fit(callback, batches: int, **trainer_kw) -> None:
+    """One Lightning epoch of the tiny model over `batches` batches on the CPU, with `callback`."""
     import lightning as L
-
-    from collector.probe.lightning import StepMemLightningCallback
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -183,20 +181,27 @@ def test_lightning_adapter_gives_the_same_record_shape():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (6, 32))
+    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (batches, 32))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=1)
-    probe = StepProbe(outbox=Outbox(None))
+    trainer_kw.setdefault("logger", False)
     trainer = L.Trainer(
         max_epochs=1,
-        accumulate_grad_batches=2,
         accelerator="cpu",
-        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepMemLightningCallback(probe)],
+        callbacks=[callback],
+        **trainer_kw,
     )
     trainer.fit(Tiny(), loader)
+
+
+def test_lightning_adapter_gives_the_same_record_shape():
+    pytest.importorskip("lightning")
+    from collector.probe.lightning import StepMemLightningCallback
+
+    probe = StepProbe(outbox=Outbox(None))
+    lightning_fit(StepMemLightningCallback(probe), batches=6, accumulate_grad_batches=2)
     assert [r["step"] for r in probe.records] == [1, 2, 3]
     hf = StepProbe(outbox=Outbox(None))
     finetune.run(tiny_args(1), hf)

@@ -11,11 +11,10 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from collector.probe.core import Outbox, StepProbe
 from tests.conftest import loopback
-from tests.test_probe import plain_loop
+from tests.test_probe import lightning_fit, plain_loop
 from workloads import finetune
 
 GIB = 1 << 30
@@ -166,36 +165,16 @@ def test_a_callback_given_as_callbacks_is_moved_ahead_of_the_reporters_by_attach
 
 def test_lightning_logs_the_keys_through_its_logger(tmp_path):
     pytest.importorskip("lightning")
-    import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
     from collector.probe.lightning import StepMemLightningCallback
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = finetune.build_model("tiny", 32, None)
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (4, 32))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=1)
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
+    lightning_fit(
+        StepMemLightningCallback(StepProbe(outbox=Outbox(None))),
+        batches=4,
         logger=CSVLogger(tmp_path, name="run"),
         log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[StepMemLightningCallback(StepProbe(outbox=Outbox(None)))],
     )
-    trainer.fit(Tiny(), loader)
     (path,) = tmp_path.glob("run/*/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get(LEDGER)]
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
