@@ -52,8 +52,12 @@ def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
         launch_samplers(BackendSpec("nvml"), loopback())
 
 
-def replay_steps(placed, cap: Capture, steps: int, origin: int, speed: float) -> None:
-    """Send the capture's recorded step events at their times on the replay clock."""
+def replay_steps(placed, cap: Capture, steps: int, speed: float) -> None:
+    """Start the samplers' replay 0.3 s from now and send the capture's recorded step events of
+    the first `steps` steps at their times on that replay clock."""
+    first = min(e["t_ns"] for e in cap.events)
+    origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
+    ray.get([p.handle.replay_from.remote(origin) for p in placed])
     plan = []
     for e in cap.events:
         if e["step"] <= steps:
@@ -74,10 +78,7 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
     spec = BackendSpec("replay", captures=[capture], gpus=2, speed=speed)
     placed = launch_samplers(spec, loopback(sampling=Sampling(rate=1000)))
     kill_samplers.extend(p.handle for p in placed)
-    first = min(e["t_ns"] for e in cap.events)
-    origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
-    ray.get([p.handle.replay_from.remote(origin) for p in placed])
-    replay_steps(placed, cap, steps, origin, speed)
+    replay_steps(placed, cap, steps, speed)
     wait_for(
         lambda: all(len(ray.get(p.handle.step_records.remote())) == steps for p in placed),
         timeout=30,
