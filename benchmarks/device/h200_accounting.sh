@@ -6,12 +6,9 @@
 # history on the 7B adamw_8bit run (step times with and without it, A B A B), its snapshot time.
 # Results under $OUT.
 #   device run (carry .bundle):  bash benchmarks/device/h200_accounting.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source benchmarks/device/bundle.sh
 mkdir -p "$OUT/r" "$OUT/history" "$OUT/cost"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
-python -c "import torch, transformers, ray, bitsandbytes as b; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__, 'bitsandbytes', b.__version__)" >> "$OUT/env.txt"
+write_env "$OUT/env.txt"
 
 cap() {  # cap NAME [ENV=VALUE ...] -- stepmem run arguments
   local name=$1; shift

@@ -2,9 +2,8 @@
 # Final check on the H200 with the code as committed: the GPU-marked tests, and the 7B
 # paged_adamw_8bit and spiky runs under `stepmem run` with the final probe. Results under $OUT.
 #   device run (carry .bundle):  bash benchmarks/device/h200_final.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled
 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
 timeout 300 python -m collector.cli run --backend nvml --workload finetune --out "$OUT/paged_adamw_8bit.records.json" \
   -- --size 7b --optim paged_adamw_8bit --steps 5 > "$OUT/paged_adamw_8bit.log" 2>&1

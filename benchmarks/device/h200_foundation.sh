@@ -3,9 +3,8 @@
 # (idle, 7B adamw_8bit, 7B paged_adamw_8bit, spiky), each 7B/spiky run under `stepmem run`
 # with live samplers so its step records come back too. Results under $OUT.
 #   device run (carry .bundle):  bash benchmarks/device/h200_foundation.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled
 R=$OUT/r; mkdir -p "$R"
 SM="python -m collector.cli"
 { nvidia-smi; python -c 'import torch, transformers, ray, bitsandbytes, pynvml; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__, "bitsandbytes", bitsandbytes.__version__)'; } > "$R/env.txt" 2>&1

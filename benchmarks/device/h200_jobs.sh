@@ -6,16 +6,14 @@
 # through the job's Prometheus file_sd targets file (the last reading is kept per job). Everything
 # comes back as $OUT/jobs.tar.gz (the device tool returns few files).
 #   device run (carry .bundle):  bash benchmarks/device/h200_jobs.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled
 # A single-machine cluster on loopback: Ray otherwise swaps 127.0.0.1 for the outward address.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT_ALL=$OUT; OUT=$OUT/r
 mkdir -p "$OUT/metrics" "$OUT/targets"
 { nvidia-smi; python -c 'import torch, transformers, ray, bitsandbytes; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__, "bitsandbytes", bitsandbytes.__version__)'; } > "$OUT/env.txt" 2>&1
-ray start --head --num-gpus=1 --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
-  --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || { tail "$OUT/ray_start.log"; exit 1; }
+ray_head "$OUT/ray_start.log"
 scrape() {  # read the job's targets file and its samplers' /metrics until the job ends
   python - "$1" "$2" <<'PY'
 import json, os, sys, time, urllib.request

@@ -10,12 +10,9 @@
 #   3. small Llama fine-tune, paged_adamw_8bit, watched (phases forward_backward / optimizer)
 # Results under $OUT (one results.tgz + summary.txt).
 #   device run (carry .bundle):  bash benchmarks/device/h200_marks.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source benchmarks/device/bundle.sh
 mkdir -p "$OUT/r" "$OUT/history"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
-python -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$OUT/env.txt"
+write_env "$OUT/env.txt"
 
 run() {  # run NAME -- stepmem run arguments (live NVML, the run store under $OUT/runs)
   local name=$1; shift; shift

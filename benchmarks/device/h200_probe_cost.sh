@@ -2,9 +2,8 @@
 # The probe's cost on the H200: its parts, and per step on the 7B finetune (adamw_8bit, 8 steps)
 # under `stepmem run` with a live sampler. Results under $OUT.
 #   device run (carry .bundle):  bash benchmarks/device/h200_probe_cost.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled
 python benchmarks/probe_parts.py --out "$OUT/probe_parts.json" 2>&1 | tail -8
 timeout 300 python -m collector.cli run --backend nvml --workload finetune --out "$OUT/probe_cost_7b.records.json" \
   -- --size 7b --optim adamw_8bit --steps 8 > "$OUT/probe_cost_7b.log" 2>&1

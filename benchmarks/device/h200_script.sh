@@ -3,13 +3,10 @@
 # run as a plain script: its own StepProbe + StepMemCallback), submitted with `ray job submit`;
 # then the GPU-marked tests. Results as $OUT/script.tar.gz.
 #   device run (carry .bundle):  bash benchmarks/device/h200_script.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT_ALL=$OUT; OUT=$OUT/r; mkdir -p "$OUT"
-ray start --head --num-gpus=1 --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
-  --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || { tail "$OUT/ray_start.log"; exit 1; }
+ray_head "$OUT/ray_start.log"
 t0=$(date +%s)
 timeout 400 ray job submit --address http://127.0.0.1:8265 --working-dir . \
   --runtime-env-json '{"excludes": [".bundle", ".git"]}' -- \

@@ -8,12 +8,9 @@
 #   3. the leak and outside patterns as in benchmarks/results/h200-marks (run 2), to compare
 # Results under $OUT (results.tgz + summary.txt).
 #   device run (carry .bundle):  bash benchmarks/device/h200_structure.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+source benchmarks/device/bundle.sh
 mkdir -p "$OUT/r" "$OUT/history"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
-python -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$OUT/env.txt"
+write_env "$OUT/env.txt"
 
 timeout 240 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
 echo "gpu tests rc=$? $(tail -1 "$OUT/gpu-tests.txt")" | tee -a "$OUT/summary.txt"

@@ -5,14 +5,11 @@
 #  3. the GPU-marked tests.
 # Everything comes back as $OUT/train.tar.gz.
 #   device run (carry .bundle):  bash benchmarks/device/h200_train.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=30
+source benchmarks/device/bundle.sh
+export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=30
 OUT_ALL=$OUT; OUT=$OUT/r; mkdir -p "$OUT"
 A=http://127.0.0.1:8265
-ray start --head --num-gpus=1 --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
-  --disable-usage-stats > "$OUT/ray_start.log" 2>&1 || { tail "$OUT/ray_start.log"; exit 1; }
+ray_head "$OUT/ray_start.log"
 SUBMIT=(ray job submit --address $A --working-dir . --runtime-env-json '{"excludes": [".bundle", ".git"]}')
 t0=$(date +%s)
 timeout 400 "${SUBMIT[@]}" -- python -m collector.job --store "$OUT/runs" --run-id h200-7b-train \

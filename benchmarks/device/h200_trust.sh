@@ -4,11 +4,8 @@
 # by three Ctrl-C (the reaper and the one-stop handler with the real NVML backend). Results
 # under $OUT.
 #   device run (carry .bundle):  bash benchmarks/device/h200_trust.sh
-set -u
-mkdir -p /tmp/site && tar -xJf .bundle/site.tar.xz -C /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/env.txt"
-python -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)" >> "$OUT/env.txt"
+source benchmarks/device/bundle.sh
+write_env "$OUT/env.txt"
 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
 # Ray's default for a local cluster: token authentication on (no RAY_AUTH_MODE set)
 timeout 240 python -m collector.cli run --backend nvml --workload spiky --store "$OUT/runs" \
