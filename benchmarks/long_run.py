@@ -55,7 +55,7 @@ def main() -> None:
     )
     pids = {p.gpu_uuid: p.info["pid"] for p in placed}
     cursors = {p.gpu_uuid: 0 for p in placed}
-    last_step = {p.gpu_uuid: -1 for p in placed}
+    last_step = {p.gpu_uuid: 0 for p in placed}  # record cursors
     series: list[dict] = []
     drained = {"samples": 0, "records": 0}
     step, t_start = 0, time.monotonic()
@@ -80,10 +80,9 @@ def main() -> None:
                 d = ray.get(p.handle.samples_since.remote(cursors[p.gpu_uuid]), timeout=60)
                 cursors[p.gpu_uuid] = d["next"]
                 drained["samples"] += len(d["t_ns"])
-                recs = ray.get(p.handle.step_records.remote(last_step[p.gpu_uuid]), timeout=60)
-                if recs:
-                    last_step[p.gpu_uuid] = max(r["step"] for r in recs)
-                drained["records"] += len(recs)
+                r = ray.get(p.handle.records_since.remote(last_step[p.gpu_uuid]), timeout=60)
+                last_step[p.gpu_uuid] = r["next"]  # a cursor: the records joined so far
+                drained["records"] += len(r["records"])
         if now >= next_read:
             next_read = now + 1.0
             health = {p.gpu_uuid: ray.get(p.handle.health.remote(), timeout=60) for p in placed}

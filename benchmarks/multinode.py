@@ -33,8 +33,9 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from collector.lookup import SamplerLookup, list_samplers  # noqa: E402
-from collector.report import load_run, render_report  # noqa: E402
+from collector.report import render_report  # noqa: E402
 from collector.run import JobOptions, run_job  # noqa: E402
+from collector.runs import load_run  # noqa: E402
 from collector.session import loopback_only_ray  # noqa: E402
 from collector.settings import SamplerOptions  # noqa: E402
 

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import ray
@@ -20,6 +20,7 @@ import ray
 from collector.accounting import outside_share
 from collector.backends import BackendSpec, ReplayControl
 from collector.metrics import gpu_labels
+from collector.probe.outbox import SpoolReader
 from collector.procwatch import ProcessWatch, as_reading
 from collector.records import StepEvent
 from collector.sampler import Sampler, StepJoiner
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 JOIN_INTERVAL_S = 0.05
 RAY_GAUGES_INTERVAL_S = 1.0
 MAX_EVENTS_PER_CALL = 10_000
+EVENTS_KEPT = 50_000  # accepted events kept for a run store's drain (the newest)
 
 
 @ray.remote(num_cpus=0, num_gpus=0, max_restarts=3, max_task_retries=3)
@@ -68,6 +70,15 @@ class SamplerActor:
             self.procwatch = ProcessWatch(self.device, self.sampler)
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
+        # accepted events, for the run store (a run's samplers; a daemon's keep none)
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT if options.keep_events else 0)
+        self.events_accepted = 0
+        self.spool = SpoolReader(options.spool, gpu_uuid) if options.spool else None
+        # A run's replay reads nothing until the run aligns it (replay_from): at the start, and
+        # again after Ray restarted this actor with its first arguments, when a replay from the
+        # launch-time origin would show values of the wrong moment as if measured
+        if spec.hold_until_aligned and isinstance(self.device, ReplayControl):
+            self.device.hold()
         self.labels = gpu_labels(node_id, self.device.info, options.run_id, options.workload)
         self.writer = None
         self._sample_cursor = 0
@@ -134,6 +145,8 @@ class SamplerActor:
         next_gauges = 0.0
         while not self._stop.wait(JOIN_INTERVAL_S):
             try:
+                if self.spool is not None:
+                    self._accept(self.spool.read())
                 self._publish(self.joiner.poll())
                 if self.ray_gauges is not None and time.monotonic() >= next_gauges:
                     self.ray_gauges.update(self.snapshot())  # Ray exports every ~10 s anyway
@@ -214,6 +227,7 @@ class SamplerActor:
             "rate_hz": self.sampler.rate_hz,
             "run_id": self.options.run_id,
             "workload": self.options.workload,
+            "targets": self.options.targets,
             "metrics_addr": self.metrics_addr,
             "metrics_port": self.metrics_port,
             "capacity": self.sampler.ring.capacity,
@@ -236,6 +250,9 @@ class SamplerActor:
         if len(events) > MAX_EVENTS_PER_CALL:
             self.events_rejected["batch_too_large"] += len(events)
             return 0
+        return self._accept(events)
+
+    def _accept(self, events: list[Any]) -> int:
         accepted = 0
         for raw in events:
             self.events_received += 1
@@ -248,13 +265,31 @@ class SamplerActor:
                 self.events_rejected["wrong_gpu"] += 1
                 continue
             self.joiner.add(ev)
+            self.events.append(ev.to_dict())
+            self.events_accepted += 1
             accepted += 1
         return accepted
 
-    def step_records(self, since_step: int = -1, flush: bool = False) -> list[dict[str, Any]]:
-        """Joined step records with ``step > since_step``; ``flush`` joins pending steps now."""
+    def events_since(self, cursor: int) -> dict[str, Any]:
+        """The events accepted from the ``cursor``-th on (for the run store): ``events``,
+        ``next``, and ``lost`` (no longer kept)."""
+        first = self.events_accepted - len(self.events)
+        start = max(cursor, first)
+        out = list(self.events)[start - first :]
+        return {"events": out, "next": self.events_accepted, "lost": max(0, first - cursor)}
+
+    def step_records(self, flush: bool = False) -> list[dict[str, Any]]:
+        """Every joined step record still kept (the newest 20,000); ``flush`` joins pending
+        steps now."""
+        return self.records_since(0, flush)["records"]
+
+    def records_since(self, cursor: int, flush: bool = False) -> dict[str, Any]:
+        """The records joined from the ``cursor``-th on (0: the first): ``records``, ``next``
+        (the cursor for the next call) and ``lost`` (asked for but no longer kept). The run
+        store drains with this: every record once, whatever its step number."""
         self._publish(self.joiner.poll(force=flush))
-        return [r.to_dict() for r in self.joiner.records_since(since_step)]
+        recs, nxt, lost = self.joiner.records_since(cursor)
+        return {"records": [r.to_dict() for r in recs], "next": nxt, "lost": lost}
 
     def newest_record(self) -> dict[str, Any] | None:
         """The newest joined step record (for a tracker's per-step keys), None before any."""
@@ -265,8 +300,18 @@ class SamplerActor:
         return self.sampler.ring.last()
 
     def samples_since(self, seq: int) -> dict[str, Any]:
+        """The ring's samples from sequence number ``seq`` on, the sequence to ask for next,
+        how many were overwritten before this call, and ``started_ns``: when this sampler
+        started (a new value: Ray restarted the actor, with a new ring)."""
         w, nxt = self.sampler.ring.since(seq)
-        return {"t_ns": w.t_ns, "used": w.used, "reserved": w.reserved, "lost": w.lost, "next": nxt}
+        return {
+            "t_ns": w.t_ns,
+            "used": w.used,
+            "reserved": w.reserved,
+            "lost": w.lost,
+            "next": nxt,
+            "started_ns": self.sampler.started_ns,
+        }
 
     def replay_from(self, origin_ns: int, loop: bool = True) -> None:
         """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
@@ -274,8 +319,7 @@ class SamplerActor:
         False plays the capture once and then holds its last value."""
         if not isinstance(self.device, ReplayControl):
             raise TypeError("replay_from is for the replay backend")
-        self.device.loop = bool(loop)
-        self.device.origin_ns = int(origin_ns)
+        self.device.align(int(origin_ns), bool(loop))
 
     def inject_fault(self, kind: str, every: int = 1) -> None:
         """Replay backend only: make NVML reads fail (see ``ReplayDevice.inject``)."""
@@ -298,6 +342,8 @@ class SamplerActor:
             "events_received": self.events_received,
             "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
             "steps_pending": self.joiner.pending,
+            "steps_open": self.joiner.open_steps,
+            "spool_malformed": self.spool.malformed if self.spool is not None else 0,
             "steps_joined": self.joiner.joined,
             "remote_write": self.writer.stats() if self.writer is not None else None,
             # NVML per-process readings (the accounting's split): taken, and failed by error

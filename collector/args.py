@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-from collector.settings import DEFAULT_RATE, DEFAULT_WINDOW_S, Rate, SamplerOptions, Sampling
+from collector.settings import (
+    DEFAULT_RATE,
+    DEFAULT_WINDOW_S,
+    MAX_WINDOW_S,
+    Rate,
+    SamplerOptions,
+    Sampling,
+)
 
 __all__ = [
     "add_backend",
@@ -43,11 +50,23 @@ def positive_int(text: str) -> int:
     return int(_number(text, int, 1, float("inf"), "an integer"))
 
 
-def positive_float(text: str) -> float:
+def positive_float(text: str, most: float = 1e9) -> float:
+    """A number > 0 and at most ``most`` (a billion by default: nothing stepmem times, counts
+    or scales by is meant to be larger, and an overflow later would be a crash, not a line)."""
     v = _number(text, float, 0, float("inf"), "a number")
-    if v == 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if v == 0 or v > most:
+        raise argparse.ArgumentTypeError(f"must be > 0 and at most {most:g}, got {text}")
     return v
+
+
+def seconds(most: float):
+    """An argparse type: seconds, > 0 and at most ``most``."""
+
+    def parse(text: str) -> float:
+        return positive_float(text, most)
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def port(text: str) -> int:
@@ -55,7 +74,18 @@ def port(text: str) -> int:
 
 
 def fraction(text: str) -> float:
-    return _number(text, float, 0, 10, "a number (0.05 = 5 %)")
+    """A share: ``0.05`` or ``5%``, from 0 to 1 (100 %). A bare number above 1 is refused, not
+    taken as a multiple: ``--tolerance 5`` meaning 500 % would let every regression pass."""
+    t = text.strip()
+    if t.endswith("%"):
+        return _number(t[:-1], float, 0, 100, "a percentage (5% = 0.05)") / 100
+    v = _number(t, float, 0, float("inf"), "a number (0.05 = 5 %)")
+    if v > 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} would be {100 * v:g} %; give a share from 0 to 1 ({v / 100:g}) or a "
+            f"percentage ({v:g}%)"
+        )
+    return v
 
 
 def rate(text: str) -> Rate:
@@ -79,7 +109,7 @@ def add_sampling(p: argparse.ArgumentParser, window: bool = True) -> None:
     if window:
         p.add_argument(
             "--window",
-            type=positive_float,
+            type=seconds(MAX_WINDOW_S),
             default=DEFAULT_WINDOW_S,
             help="trailing window of the window max/min gauges, seconds "
             f"(default {DEFAULT_WINDOW_S:g})",

@@ -39,12 +39,20 @@ class Device(Protocol):
 @runtime_checkable
 class ReplayControl(Protocol):
     """What only a replayed GPU (:class:`collector.replay.ReplayDevice`) does: play from a
-    chosen moment, once or in a loop, and fail its reads on purpose."""
+    chosen moment, once or in a loop; hold (read nothing) until told where to play; fail its
+    reads on purpose; and read the value in force at a given moment, so a sample's timestamp
+    is exactly the moment it shows."""
 
     origin_ns: int  # monotonic time at which capture time 0 plays
     loop: bool  # play the capture again after its end (else hold its last value)
 
+    def align(self, origin_ns: int, loop: bool) -> None: ...
+
+    def hold(self) -> None: ...
+
     def inject(self, kind: str, every: int = 1, from_ns: int = 0) -> None: ...
+
+    def read_at(self, t_ns: int) -> tuple[int, int]: ...
 
 
 class Backend(Protocol):
@@ -61,7 +69,9 @@ class BackendSpec:
 
     ``kind`` is ``"nvml"`` or ``"replay"``. For replay: ``captures`` (names or paths), ``gpus``
     per node (default: one per capture), ``speed`` and ``origin_ns`` (monotonic time at which
-    every replayed GPU of a node starts playing; default: when the launcher ran).
+    every replayed GPU of a node starts playing; default: when the launcher ran); with
+    ``hold_until_aligned`` a replayed GPU reads nothing until ``replay_from`` says where to play
+    (a run's: it aligns them once all run, and again one that Ray restarted).
     """
 
     kind: str = "nvml"
@@ -69,6 +79,7 @@ class BackendSpec:
     gpus: int | None = None
     speed: float = 1.0
     origin_ns: int | None = None
+    hold_until_aligned: bool = False  # replay: read nothing until replay_from (a run aligns it)
 
     def __post_init__(self) -> None:
         if self.kind not in ("nvml", "replay"):

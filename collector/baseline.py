@@ -9,6 +9,7 @@ with the other rule files. Several workloads can share one file (``--merge``).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +45,65 @@ def workload_of(doc: dict[str, Any]) -> str:
     return names.pop()
 
 
-def baseline_rules(baselines: dict[str, int]) -> str:
+HEADER = (
+    "# Per-workload baselines for StepMemPeakRegression (recording rules).\n"
+    "# Written by `stepmem baseline`; regenerate rather than edit.\n"
+)
+MAX_FILE_BYTES = 1 << 20  # a baseline file holds a few rules
+
+
+def baseline_rules(baselines: dict[str, int], notes: str = "") -> str:
+    """The rule file: the header, ``notes`` (comment lines kept from the file merged into),
+    one recording rule per workload."""
     rules = [
         {"record": RECORD, "expr": f"vector({peak})", "labels": {"workload": name}}
         for name, peak in sorted(baselines.items())
     ]
-    header = (
-        "# Per-workload baselines for StepMemPeakRegression (recording rules).\n"
-        "# Written by `stepmem baseline`; regenerate rather than edit.\n"
+    return (
+        HEADER
+        + notes
+        + yaml.safe_dump(
+            {"groups": [{"name": "stepmem-baselines", "rules": rules}]}, sort_keys=False
+        )
     )
-    return header + yaml.safe_dump(
-        {"groups": [{"name": "stepmem-baselines", "rules": rules}]}, sort_keys=False
-    )
+
+
+class _NoAliases(yaml.SafeLoader):
+    """Safe YAML without anchors and aliases: a baseline file never needs them, and nested
+    aliases expand exponentially (a "billion laughs" file would hang the command)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("it uses YAML aliases (*name), which a baseline file never holds")
+        event = self.peek_event()
+        if getattr(event, "anchor", None):
+            raise yaml.YAMLError("it uses YAML anchors (&name), which a baseline file never holds")
+        return super().compose_node(parent, index)
+
+
+def notes_of(text: str) -> str:
+    """The comment lines at the top of a baseline file that are not stepmem's own header (a
+    note saying where a baseline comes from): kept when the file is merged into."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if not line.startswith("#"):
+            break
+        if line not in HEADER.splitlines(keepends=True):
+            lines.append(line)
+    return "".join(lines)
 
 
 def read_rules(path: Path) -> dict[str, int]:
     """The baselines in a rule file written by :func:`baseline_rules`. :class:`InputError` for
-    a file that is not one (invalid YAML, or rules of another kind): it is never overwritten."""
+    a file that is not one (invalid YAML, aliases, rules of another kind, larger than any
+    baseline file): it is never overwritten."""
     not_ours = f"{path} is not a stepmem baseline file"
     try:
-        doc = yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise InputError(
+                f"{not_ours} (larger than {MAX_FILE_BYTES >> 20} MiB); it is left as it is"
+            )
+        doc = yaml.load(path.read_text(), Loader=_NoAliases)  # a SafeLoader, aliases refused
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"{not_ours} ({first}); it is left as it is") from None
@@ -89,7 +129,7 @@ def write_baseline(records: Path, out: Path, workload: str | None, merge: bool) 
     """Write ``out`` with ``records``' peak as the baseline of its workload. ``out`` may be new
     or a baseline file; with ``merge`` its other workloads are kept, without it a file holding
     other workloads is refused (nothing is dropped silently)."""
-    from collector.report import check_meta, check_records
+    from collector.runs import check_meta, check_records
 
     try:
         doc = json.loads(records.read_text())
@@ -109,5 +149,14 @@ def write_baseline(records: Path, out: Path, workload: str | None, merge: bool) 
             "choose another --out"
         )
     baselines[name] = peak
-    out.write_text(baseline_rules(baselines))
+    notes = notes_of(out.read_text()) if out.exists() else ""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:  # whole or not at all: a full disk leaves the old file as it was
+        tmp.write_text(baseline_rules(baselines, notes))
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise InputError(
+            f"{out} could not be written ({exc.strerror or exc}); it is left as it was"
+        ) from None
     return name, peak

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from collector.errors import StepmemError
 from collector.nvml import LiveBackend, NvmlError, NvmlNotFound
 from collector.probe.core import EVENTS_ENV
 from collector.replay import Capture, ReplayBackend, ReplayDevice
@@ -73,8 +74,20 @@ def _process_snapshot(device: Any, t0: int, at: list[Any] | None) -> dict[str, A
     return snap
 
 
+MAX_RING_BYTES = 4 << 30  # a capture's ring, at most (24 bytes a sample)
+
+
 def _capacity(rate: Rate, seconds: float) -> int:
-    return int(rate.samples_in(seconds) * 1.2) + 1024
+    """Ring samples for ``seconds`` at ``rate``; :class:`StepmemError` when that would take
+    more memory than :data:`MAX_RING_BYTES`."""
+    n = int(rate.samples_in(seconds) * 1.2) + 1024
+    if 24 * n > MAX_RING_BYTES:
+        raise StepmemError(
+            f"stepmem capture: {seconds:g} s at {rate} needs {24 * n / (1 << 30):.1f} GiB of "
+            f"memory for its samples (at most {MAX_RING_BYTES >> 30} GiB); record for less "
+            "time (--max-seconds, --duration) or at a lower --rate"
+        )
+    return n
 
 
 def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str, Any]]:
@@ -94,43 +107,65 @@ def replayed_events(device: ReplayDevice, t0: int, t_last: int) -> list[dict[str
 
 def _run_while_sampling(
     device: Any, t0: int, command: list[str] | None, seconds: float
-) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]], bool]:
     """Run ``command`` (or wait ``seconds``) while the sampler runs; a command still running
     after ``seconds`` is terminated. Returns its exit code, the step events its probe wrote (on
-    the sampler's clock, from ``t0``) and the per-process snapshots taken at each step mark and
-    every :data:`PROCESS_SNAPSHOT_S` between them."""
+    the sampler's clock, from ``t0``), the per-process snapshots taken at each step mark and
+    every :data:`PROCESS_SNAPSHOT_S` between them, and whether Ctrl-C (or SIGTERM) cut it
+    short: then the command is stopped and what was recorded until then is returned, to be
+    kept."""
     procs: list[dict[str, Any]] = []
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="stepmem-capture-") as tmp:
         events_path = Path(tmp) / "events.jsonl"
         env = {**os.environ, EVENTS_ENV: str(events_path)}
-        child = subprocess.Popen(command, env=env) if command else None
+        try:
+            child = subprocess.Popen(command, env=env) if command else None
+        except OSError as exc:
+            raise StepmemError(
+                f"stepmem capture: cannot run {command[0]!r}: {exc.strerror or exc}"
+            ) from None
         deadline = time.monotonic() + seconds
         rc = 0
         marks = _MarkWatcher(events_path)
         next_snap = 0.0
-        while time.monotonic() < deadline:
-            at = marks.new()  # a step mark since the last look: a snapshot for it now
-            if at is not None or time.monotonic() >= next_snap:
-                snap = _process_snapshot(device, t0, at)
-                if snap is not None:
-                    procs.append(snap)
-                next_snap = time.monotonic() + PROCESS_SNAPSHOT_S
-            if child is not None and child.poll() is not None:
-                rc = child.returncode
-                break
-            time.sleep(MARK_POLL_S)
-        else:
-            if child is not None:
+        try:
+            while time.monotonic() < deadline:
+                at = marks.new()  # a step mark since the last look: a snapshot for it now
+                if at is not None or time.monotonic() >= next_snap:
+                    snap = _process_snapshot(device, t0, at)
+                    if snap is not None:
+                        procs.append(snap)
+                    next_snap = time.monotonic() + PROCESS_SNAPSHOT_S
+                if child is not None and child.poll() is not None:
+                    rc = child.returncode
+                    break
+                time.sleep(MARK_POLL_S)
+            else:
+                if child is not None:
+                    child.terminate()
+                    rc = child.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+            if child is not None and child.poll() is None:
                 child.terminate()
-                rc = child.wait()
-        time.sleep(0.2)  # the tail after the command exits
+                try:
+                    rc = child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    rc = child.wait()
+        if not interrupted:
+            time.sleep(0.2)  # the tail after the command exits
         events = []
         if events_path.exists():
             for line in events_path.read_text().splitlines():
-                ev = json.loads(line)
-                ev["t_ns"] -= t0
+                try:
+                    ev = json.loads(line)
+                    ev["t_ns"] -= t0
+                except (ValueError, TypeError, KeyError):  # a line cut by the stop
+                    continue
                 events.append(ev)
-    return rc, events, procs
+    return rc, events, procs, interrupted
 
 
 def _trim_and_rebase(
@@ -183,12 +218,13 @@ def record(
         uuid = next(iter(infos))
     if uuid not in infos:
         raise NvmlNotFound(f"no GPU with UUID {uuid} on this node (have: {', '.join(infos)})")
+    seconds = max_s if command is not None or duration_s is None else min(duration_s, max_s)
+    capacity = _capacity(rate, seconds)
     device = backend.open(uuid)
-    seconds = duration_s if command is None else max_s
-    sampler = Sampler(device, rate, capacity=_capacity(rate, seconds))
+    sampler = Sampler(device, rate, capacity=capacity)
     sampler.start()
     t0 = sampler.started_ns
-    rc, events, procs = _run_while_sampling(device, t0, command, seconds)
+    rc, events, procs, interrupted = _run_while_sampling(device, t0, command, seconds)
     sampler.stop()
     w = sampler.ring.snapshot()
     if not events and isinstance(device, ReplayDevice):
@@ -220,6 +256,7 @@ def record(
             "samples": len(w),
             "errors": dict(sampler.errors),
             "missed_deadlines": sampler.missed,
+            **({"interrupted": True} if interrupted else {}),
             **(notes or {}),
         },
     )
@@ -228,5 +265,8 @@ def record(
     echo(
         f"captured {len(w)} samples over {span:.1f} s ({len(w) / max(span, 1e-9):.0f} Hz), "
         f"{len(events)} step events, command exit {rc} -> {out}"
+        + (" (interrupted: what was recorded until then is kept)" if interrupted else "")
     )
+    if interrupted:
+        raise KeyboardInterrupt
     return cap

@@ -18,15 +18,18 @@ import os
 import re
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from collector import args
 from collector.errors import StepmemError
+from collector.report import EDGE_ROWS
 from workloads import WORKLOADS
 
 __all__ = ["main"]
 
 EXIT_BUG = 70  # EX_SOFTWARE: an internal error, not the user's
+EXIT_INCOMPLETE = 3  # the run ended, but not everything it measured was kept
 MAX_REPLAY_GPUS = 64  # simulated GPUs per node: each is an actor process (~80 MB)
 MAX_REPLAY_S = 86_400.0  # a replay that would play longer than a day is a typo in --speed
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -52,7 +55,10 @@ def _run_parser(sub) -> None:
     )
     args.add_sampling(r)
     r.add_argument(
-        "--speed", type=args.positive_float, default=1.0, help="replay speed (default 1)"
+        "--speed",
+        type=args.positive_float,
+        default=1.0,
+        help="replay speed (default 1; at most 1e9)",
     )
     r.add_argument("--steps", type=args.positive_int, help="stop after this many steps (replay)")
     r.add_argument(
@@ -119,7 +125,7 @@ def _daemon_parser(sub) -> None:
     args.add_sampling(dm, window=False)
     dm.add_argument(
         "--rescan",
-        type=args.positive_float,
+        type=args.seconds(86_400.0),
         default=30.0,
         help="seconds between scans for new nodes (default 30)",
     )
@@ -141,16 +147,18 @@ def _capture_parser(sub) -> None:
         gpus=False,
     )
     args.add_sampling(c, window=False)
-    c.add_argument("--duration", type=args.positive_float, help="seconds, when no command is given")
+    c.add_argument(
+        "--duration", type=args.seconds(86_400.0), help="seconds, when no command is given"
+    )
     c.add_argument(
         "--max-seconds",
-        type=args.positive_float,
+        type=args.seconds(86_400.0),
         default=600.0,
-        help="stop a command still running after this long (default 600)",
+        help="stop recording (and a command still running) after this long (default 600)",
     )
     c.add_argument(
         "--trim",
-        type=args.positive_float,
+        type=args.seconds(86_400.0),
         metavar="SECONDS",
         help="keep only SECONDS before the first and after the last step event",
     )
@@ -161,7 +169,7 @@ def _capture_parser(sub) -> None:
 def _baseline_parser(sub) -> None:
     b = sub.add_parser("baseline", help="write a workload's peak baseline as a Prometheus rule")
     b.add_argument("records", type=Path, help="records JSON of an accepted run (run --out)")
-    b.add_argument("--out", type=Path, required=True, help="rule file to write")
+    b.add_argument("--out", required=True, help="rule file to write")
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
 
@@ -169,9 +177,15 @@ def _baseline_parser(sub) -> None:
 def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
     rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
-    rp.add_argument("--out", type=Path, help="also write the report text here")
-    rp.add_argument("--png", type=Path, help="write the timeline picture (run directory only)")
-    rp.add_argument("--html", type=Path, help="write an interactive timeline (run directory only)")
+    rp.add_argument("--out", help="also write the report text here")
+    rp.add_argument("--png", help="write the timeline picture (run directory only)")
+    rp.add_argument("--html", help="write an interactive timeline (run directory only)")
+    rp.add_argument(
+        "--all-steps",
+        action="store_true",
+        help=f"print every step (a long run shows its first and last {EDGE_ROWS}, its highest "
+        "peak and its odd steps)",
+    )
 
 
 def _compare_parser(sub) -> None:
@@ -182,14 +196,15 @@ def _compare_parser(sub) -> None:
         "--tolerance",
         type=args.fraction,
         default=0.05,
-        help="allowed growth of a within-step peak, e.g. 0.05 for 5 %% (default)",
+        help="allowed growth of the largest within-step peak: 0.05 or 5%% (default); at most "
+        "1 (100 %%)",
     )
-    cp.add_argument("--markdown", type=Path, help="write the Markdown (for a PR comment) here")
+    cp.add_argument("--markdown", help="write the Markdown (for a PR comment) here")
 
 
 def _dashboards_parser(sub) -> None:
     g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
-    g.add_argument("--out", type=Path, default=Path("grafana/dashboards"))
+    g.add_argument("--out", default="grafana/dashboards", help="folder for the JSON files")
 
 
 def _devices_parser(sub) -> None:
@@ -212,33 +227,76 @@ SUBCOMMANDS = (  # in the order `stepmem --help` lists them
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p.add_argument("--version", action="version", version=f"stepmem {_version()}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stepmem")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def _strip_dashes(args: list[str]) -> list[str]:
     return args[1:] if args and args[0] == "--" else args
 
 
-def writable_file(path: Path, flag: str, prog: str) -> None:
-    """Refuse an output file that cannot be written, before any work starts: a folder, a
-    missing folder, a folder this user cannot create files in (tried, not guessed: root passes
-    every permission check)."""
-    import tempfile
-
-    if path.is_dir():
-        raise UserError(f"{prog}: {flag} {path} is a directory, not a file")
+def writable_file(
+    path: Path | str, flag: str, prog: str, inputs: tuple[Path | None, ...] = ()
+) -> Path:
+    """Refuse an output file that cannot be written, before any work starts: a folder (or a
+    name ending in /), a missing folder, a folder this user cannot create files in (tried, not
+    guessed: root passes every permission check), something that is not a plain file, and any
+    of the command's ``inputs`` or a file inside an input run directory (an output never
+    overwrites what it was made from). Returns the path."""
+    text = str(path)
+    path = Path(path)
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        raise UserError(f"{prog}: {flag} {text} is a directory, not a file")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{prog}: {flag} {text} is not a plain file")
+    target = path.resolve()
+    for src in inputs:
+        if src is None or not src.exists():
+            continue
+        src = src.resolve()
+        if target == src or (src.is_dir() and src in target.parents):
+            raise UserError(
+                f"{prog}: {flag} {text} is {'inside ' if src.is_dir() else ''}an input of this "
+                f"command ({src}); write it elsewhere: an output never overwrites its input"
+            )
     folder = path.parent
     if not folder.is_dir():
-        raise UserError(f"{prog}: {flag} {path}: the folder {folder} does not exist")
+        raise UserError(f"{prog}: {flag} {text}: the folder {folder} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".stepmem-probe-"):
             pass
     except OSError as exc:
         raise UserError(
-            f"{prog}: {flag} {path}: cannot write in {folder} ({exc.strerror})"
+            f"{prog}: {flag} {text}: cannot write in {folder} ({exc.strerror})"
+        ) from None
+    return path
+
+
+def write_output(path: Path, data: str | bytes, flag: str, prog: str) -> None:
+    """Write an output file whole or not at all (a temporary file renamed over it): a full
+    disk leaves the old file, never a torn one, and is one line, not a traceback."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, str):
+            data = data.encode()
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(
+            f"{prog}: {flag} {path} could not be written ({exc.strerror or exc})"
         ) from None
 
 
@@ -259,20 +317,24 @@ def _check_store(ns: argparse.Namespace) -> None:
     another); ``--run-id`` is a plain name, so the run stays inside ``--store``."""
     if ns.run_id and (not RUN_ID.fullmatch(ns.run_id) or ns.run_id in (".", "..")):
         raise UserError(
-            f"stepmem run: --run-id {ns.run_id!r}: use letters, digits, '.', '_' and '-' "
-            "(a folder name inside --store, at most 128 characters)"
+            f"stepmem run: --run-id {ns.run_id!r}: a folder name inside --store: letters, "
+            "digits, '.', '_' and '-', starting with a letter or digit, at most 128 characters"
         )
     if ns.no_store:
         return
+    given = "--store"
     if ns.store is None:
         ns.store = default_store()
+        given = "STEPMEM_STORE" if os.environ.get("STEPMEM_STORE") else "the default store"
+    where = f"stepmem run: {given} {ns.store}"
     if ns.store.exists() and not ns.store.is_dir():
-        raise UserError(f"stepmem run: --store {ns.store} is a file, not a folder")
+        raise UserError(f"{where} is a file, not a folder")
     try:
         ns.store.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=ns.store, prefix=".stepmem-probe-"):
+            pass
     except OSError as exc:
-        raise UserError(f"stepmem run: --store {ns.store}: {exc.strerror}") from None
-    writable_file(ns.store / "probe", "--store", "stepmem run")
+        raise UserError(f"{where}: cannot write there ({exc.strerror or exc})") from None
     if ns.run_id and (ns.store / ns.run_id).exists():
         raise UserError(
             f"stepmem run: the run store {ns.store / ns.run_id} already exists; choose another "
@@ -362,7 +424,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         _check_replay(ns)
     _check_metrics_addr(ns.metrics_addr, "stepmem run")
     if ns.out is not None:
-        writable_file(ns.out, "--out", "stepmem run")
+        from collector.replay import resolve_capture
+
+        caps = tuple(resolve_capture(c) for c in ns.captures or []) if kind == "replay" else ()
+        writable_file(ns.out, "--out", "stepmem run", (*caps, ns.script))
+    if ns.targets is not None:
+        writable_file(ns.targets, "--targets", "stepmem run")
     _check_store(ns)
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
@@ -384,19 +451,31 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     )
     result = run_job(opts)
     if ns.out:
-        ns.out.write_text(json.dumps(result.document(), indent=1))
-        print(f"step records written to {ns.out}")
+        write_output(ns.out, json.dumps(result.document(), indent=1), "--out", "stepmem run")
+        print(
+            f"step records written to {ns.out}"
+            + (f" (the run was {result.status})" if result.status != "complete" else "")
+        )
+    if result.interrupted is not None:
+        raise KeyboardInterrupt from result.interrupted
     if result.failure is not None:
         # The store, records and report are written; the job still fails, as training did.
         print(f"stepmem: {result.failure}", file=sys.stderr)
         return 1
+    if result.status == "incomplete":
+        print(
+            "stepmem: the run ended but its record is incomplete: " + "; ".join(result.problems),
+            file=sys.stderr,
+        )
+        return EXIT_INCOMPLETE
     return 0
 
 
 def _cmd_baseline(ns: argparse.Namespace) -> int:
     from collector.baseline import write_baseline
 
-    name, peak = write_baseline(ns.records, ns.out, ns.workload, ns.merge)
+    out = writable_file(ns.out, "--out", "stepmem baseline", (ns.records,))
+    name, peak = write_baseline(ns.records, out, ns.workload, ns.merge)
     print(f"baseline for {name}: within-step NVML peak {peak / (1 << 30):.2f} GiB -> {ns.out}")
     return 0
 
@@ -414,7 +493,7 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
     connect_ray(ns.address or os.environ.get("RAY_ADDRESS") or "auto")
     terminate_as_interrupt()  # SIGTERM stops the daemon loop like Ctrl-C (after ray.init's own)
     if ns.stop:
-        print(f"{stop_daemon()} samplers stopped")
+        print(f"{stop_daemon(ns.targets)} samplers stopped")
         return 0
     spec = BackendSpec(
         ns.backend,
@@ -422,6 +501,8 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
         gpus=ns.gpus,
     )
     options = args.sampler_options(ns, run_id="daemon", workload="daemon")
+    if ns.targets is not None:
+        options.targets = str(ns.targets.resolve())
     print(
         f"stepmem daemon: {ns.backend} samplers on every GPU node, rescanning every "
         f"{ns.rescan:g} s (Ctrl-C leaves them running; --stop removes them)"
@@ -434,51 +515,97 @@ def _cmd_daemon(ns: argparse.Namespace) -> int:
 
 
 def _cmd_report(ns: argparse.Namespace) -> int:
-    from collector.report import load_run, render_report
+    from collector.report import render_report
+    from collector.runs import load_run
 
+    prog = "stepmem report"
+    outs = {}
+    for flag in ("out", "png", "html"):  # every output checked before any work starts
+        if getattr(ns, flag):
+            outs[flag] = writable_file(getattr(ns, flag), f"--{flag}", prog, (ns.run,))
+    if (ns.png or ns.html) and not ns.run.is_dir():
+        raise UserError(f"{prog}: --png/--html need a run directory (the trace)")
     run = load_run(ns.run)
-    text, _ = render_report(run)
+    text, _ = render_report(run, all_steps=ns.all_steps)
     print(text)
-    if ns.out:
-        ns.out.write_text(text)
+    if "out" in outs:
+        write_output(outs["out"], text, "--out", prog)
     if ns.png or ns.html:
-        if not ns.run.is_dir():
-            raise UserError("stepmem report: --png/--html need a run directory (the trace)")
         from collector import timeline
         from collector.store import RunStore
 
         store = RunStore(ns.run)
         try:
-            if ns.png:
-                print(f"timeline: {timeline.render_png(run, store, ns.png)}")
-            if ns.html:
-                print(f"interactive timeline: {timeline.render_html(run, store, ns.html)}")
+            for flag, render, what in (
+                ("png", timeline.render_png, "timeline"),
+                ("html", timeline.render_html, "interactive timeline"),
+            ):
+                if flag in outs:
+                    out = outs[flag]  # a temporary name with the same suffix (the format)
+                    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")
+                    try:
+                        render(run, store, tmp)
+                        os.replace(tmp, outs[flag])
+                    except OSError as exc:
+                        raise UserError(
+                            f"{prog}: --{flag} {outs[flag]} could not be written "
+                            f"({exc.strerror or exc})"
+                        ) from None
+                    finally:
+                        tmp.unlink(missing_ok=True)
+                    print(f"{what}: {outs[flag]}")
         except ImportError as exc:
             raise UserError(
-                f"stepmem report: pictures need pip install 'stepmem[report]' ({exc})"
+                f"{prog}: pictures need pip install 'stepmem[report]' ({exc})"
             ) from None
     return 0
 
 
 def _cmd_compare(ns: argparse.Namespace) -> int:
-    from collector.report import compare, load_run
+    from collector.compare import compare
+    from collector.runs import load_run
 
+    md_path = None
+    if ns.markdown:
+        md_path = writable_file(ns.markdown, "--markdown", "stepmem compare", (ns.base, ns.new))
     md, regressed = compare(load_run(ns.base), load_run(ns.new), ns.tolerance)
     print(md)
-    if ns.markdown:
-        ns.markdown.write_text(md)
+    if md_path is not None:
+        write_output(md_path, md, "--markdown", "stepmem compare")
     return 1 if regressed else 0
 
 
 def _cmd_dashboards(ns: argparse.Namespace) -> int:
     from collector.dashboards import write_all
 
-    for path in write_all(ns.out):
+    out = Path(ns.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"stepmem dashboards: --out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        writable_file(out / "stepmem-probe.json", "--out", "stepmem dashboards")
+        paths = write_all(out)
+    except OSError as exc:
+        raise UserError(f"stepmem dashboards: --out {out}: {exc.strerror or exc}") from None
+    for path in paths:
         print(path)
     return 0
 
 
+def _need_nvml(prog: str) -> None:
+    """One line, naming the way out, when this machine has no GPU NVML can read."""
+    from collector.run import nvml_available
+
+    if not nvml_available():
+        raise UserError(
+            f"{prog}: this machine has no GPU that NVML can read; use --backend replay (it plays "
+            "captures recorded on real GPUs)"
+        )
+
+
 def _cmd_devices(ns: argparse.Namespace) -> int:
+    if ns.backend != "replay":
+        _need_nvml("stepmem devices")
     if ns.backend == "replay":
         from collector.replay import ReplayBackend
 
@@ -498,6 +625,12 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
     cmd = _strip_dashes(ns.cmd)
     if not cmd and ns.duration is None:
         raise UserError("stepmem capture: give a command after '--' or --duration SECONDS")
+    if cmd:
+        import shutil
+
+        if shutil.which(cmd[0]) is None:
+            why = "not executable" if Path(cmd[0]).exists() else "no such file or command"
+            raise UserError(f"stepmem capture: cannot run {cmd[0]!r}: {why}")
     notes = {}
     for item in ns.note:
         if "=" not in item:
@@ -505,6 +638,8 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
         k, v = item.split("=", 1)
         notes[k] = v
     writable_file(ns.out, "--out", "stepmem capture")
+    if ns.backend == "nvml":
+        _need_nvml("stepmem capture")
     backend = None
     if ns.backend == "replay":
         from collector.replay import ReplayBackend, resolve_capture
@@ -543,7 +678,11 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        ns = build_parser().parse_args(argv)
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        if ns.command is None:  # a bare `stepmem`: what it can do
+            parser.print_help()
+            return 2
         logging.basicConfig(
             level=logging.INFO if ns.verbose else logging.WARNING,
             format="%(levelname)s %(name)s: %(message)s",

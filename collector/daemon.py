@@ -2,9 +2,10 @@
 
 ``stepmem daemon`` places detached sampler actors on every GPU node of a running cluster and
 rescans every ``--rescan`` seconds, so nodes that join later get theirs (placement is idempotent:
-an existing sampler is reused). Jobs' probes find them by name (``stepmem:<node>:<uuid>``) as
-they find job-owned samplers. With ``--targets`` it keeps a Prometheus ``file_sd`` file current.
-``stepmem daemon --stop`` removes every stepmem sampler from the cluster.
+an existing sampler is reused). They are named ``stepmem:daemon:<node>:<uuid>``; a job's probes
+find them when their own job placed none. With ``--targets`` it keeps a Prometheus ``file_sd``
+file current. ``stepmem daemon --stop`` removes the daemon's samplers (never a running job's)
+and empties its targets file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ray
 
 from collector.backends import BackendSpec
 from collector.export.file_sd import write_targets
-from collector.lookup import NAMESPACE, list_samplers
+from collector.lookup import DAEMON, NAMESPACE, list_samplers
 from collector.placement import PlacedSampler, launch_samplers
 from collector.settings import SamplerOptions
 
@@ -67,10 +68,29 @@ def run_daemon(
         )
 
 
-def stop_daemon(echo=print) -> int:
-    """Kill every stepmem sampler in the cluster. Returns how many."""
-    names = list_samplers()
+def stop_daemon(targets: Path | None = None, echo=print) -> int:
+    """Kill every sampler of the daemon (a running job's own are left alone) and empty the
+    targets file — ``targets``, and the one the daemon kept (its samplers remember it) when it
+    is on this machine — so Prometheus stops scraping them. Returns how many were stopped."""
+    names = list_samplers(DAEMON)
+    files = {targets} if targets is not None else set()
+    stopped = 0
     for name in names:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # gone meanwhile
+            continue
+        try:
+            kept = ray.get(handle.info.remote(), timeout=10).get("targets")
+            if kept:
+                files.add(Path(kept))
+        except Exception:  # a sampler that does not answer is stopped all the same
+            pass
+        ray.kill(handle, no_restart=True)
+        stopped += 1
         echo(f"stopped {name}")
-    return len(names)
+    for path in files:
+        if path.exists() or path == targets:
+            write_targets(path, [])
+            echo(f"emptied {path}")
+    return stopped

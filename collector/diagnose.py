@@ -163,6 +163,40 @@ def steps_text(steps: list[int]) -> str:
     return ", ".join(parts)
 
 
+def end_known(r: dict[str, Any]) -> bool:
+    """Whether a step's end-of-step NVML reading describes its end (a sample within the mark
+    window of the end mark; ``stale_end``: only an older one)."""
+    return r.get("nvml_end_bytes") is not None and "stale_end" not in (r.get("gap") or "")
+
+
+def _starved(recs: list[dict[str, Any]]) -> Finding | None:
+    """Steps whose sampler fell behind: peaks that may miss a transient, end readings that
+    are older than the end mark."""
+    under = [r for r in recs if "undersampled" in (r.get("gap") or "")]
+    stale = [r for r in recs if "stale_end" in (r.get("gap") or "")]
+    if not under and not stale:
+        return None
+    parts = []
+    if under:
+        parts.append(
+            f"{len(under)} of {len(recs)} steps got fewer than half the samples the rate "
+            f"promised (step {steps_text([r['step'] for r in under])}): their peaks may miss "
+            "a short transient"
+        )
+    if stale:
+        parts.append(
+            f"{len(stale)} end readings are older than the end mark (step "
+            f"{steps_text([r['step'] for r in stale])}): left out of the end-of-step findings"
+        )
+    return Finding(
+        "starved",
+        "The sampler fell behind (too little CPU on this machine, or a stalled NVML): "
+        + "; ".join(parts)
+        + ".",
+        {"undersampled": len(under), "stale_end": len(stale), "of": len(recs)},
+    )
+
+
 def _unmeasured(recs: list[dict[str, Any]]) -> Finding | None:
     """Steps without NVML samples: named, counted and left out of every NVML figure."""
     missing = [r for r in recs if r.get("nvml_peak_bytes") is None]
@@ -374,9 +408,9 @@ def _rule_unmeasured(s: _Steps) -> list[Finding]:
     """Steps without an NVML sample inside them, named."""
     all_steps = s.all_steps
     out: list[Finding] = []
-    found = _unmeasured(all_steps)
-    if found is not None:
-        out.append(found)
+    for found in (_unmeasured(all_steps), _starved(all_steps)):
+        if found is not None:
+            out.append(found)
     return out
 
 
@@ -700,10 +734,12 @@ def _rule_headroom_and_failures(s: _Steps) -> list[Finding]:
     # 6. headroom and OOM
     top = max(peaked, key=lambda r: r["nvml_peak_bytes"]) if peaked else None
     if total_bytes and top is not None:
+        unseen = len(all_steps) - len(peaked)
+        of = f" (of the {len(peaked)} steps with samples: {unseen} have none)" if unseen else ""
         out.append(
             Finding(
                 "headroom",
-                f"Largest within-step peak: {g(top['nvml_peak_bytes'])} in step "
+                f"Largest within-step peak{of}: {g(top['nvml_peak_bytes'])} in step "
                 f"{top['step']}{_nvml_peak_where(top)}, "
                 f"{100 * top['nvml_peak_bytes'] / total_bytes:.1f} % of "
                 f"the card's {g(total_bytes)}; headroom "
@@ -793,7 +829,7 @@ def diagnose(recs: list[dict[str, Any]], total_bytes: int | None = None) -> list
     steps = _Steps(
         recs=ended_ok,
         all_steps=all_steps,
-        ended=[r for r in ended_ok if r.get("nvml_end_bytes") is not None],
+        ended=[r for r in ended_ok if end_known(r)],
         peaked=[r for r in all_steps if r.get("nvml_peak_bytes") is not None],
         has_torch=_te(all_steps[0], "reserved_bytes.all.current") is not None,
         total_bytes=total_bytes,

@@ -21,7 +21,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Site", "StepSites", "load", "site_of", "step_sites"]
+__all__ = ["HistoryError", "Site", "StepSites", "load", "site_of", "step_sites"]
+
+
+class HistoryError(ValueError):
+    """A history folder that cannot be read as one (corrupt, or holding more than data)."""
+
+
+class _DataOnly(pickle.Unpickler):
+    """Unpickles plain data only — dicts, lists, tuples, strings, numbers, None — which is all
+    a PyTorch memory snapshot holds. Any object that would need a class or a function (the
+    way a planted pickle runs code) is refused: a run store is data and is never executed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise HistoryError(
+            f"it asks to load {module}.{name}: a memory snapshot holds plain data only, so it is "
+            "refused unread (a pickle can run code)"
+        )
+
+
+def load_snapshot(path: Path) -> dict[str, Any]:
+    """A memory snapshot pickle, read with :class:`_DataOnly`."""
+    try:
+        with open(path, "rb") as f:
+            snap = _DataOnly(f).load()
+    except HistoryError as exc:
+        raise HistoryError(f"{path.name}: {exc}") from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        MemoryError,
+        RecursionError,
+        OverflowError,
+        AttributeError,
+        KeyError,
+    ) as exc:
+        raise HistoryError(
+            f"{path.name} is not a readable snapshot ({type(exc).__name__})"
+        ) from None
+    if not isinstance(snap, dict):
+        raise HistoryError(f"{path.name} is not a memory snapshot (a {type(snap).__name__})")
+    return snap
+
 
 NO_FRAMES = "(no Python frame: autograd's engine or other C++ code)"
 # modules that are plumbing, not the line that asked for memory (PyTorch's own, the stdlib's)
@@ -84,12 +128,21 @@ def load(folder: Path) -> list[tuple[int, int, dict[str, Any], list[dict[str, An
         found.append((a, b, p))
     if not found:
         raise FileNotFoundError(f"no history snapshot in {folder}")
-    marks = json.loads((folder / "marks.json").read_text())
+    try:
+        marks = json.loads((folder / "marks.json").read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise HistoryError(f"marks.json is unreadable ({type(exc).__name__})") from None
+    if not isinstance(marks, list) or not all(
+        isinstance(m, dict)
+        and isinstance(m.get("step"), int)
+        and isinstance(m.get("wall_us"), int)
+        and isinstance(m.get("kind"), str)
+        for m in marks
+    ):
+        raise HistoryError("marks.json does not list step marks")
     out = []
     for a, b, p in sorted(found):
-        with open(p, "rb") as f:
-            snap = pickle.load(f)
-        out.append((a, b, snap, [m for m in marks if a <= m["step"] <= b]))
+        out.append((a, b, load_snapshot(p), [m for m in marks if a <= m["step"] <= b]))
     return out
 
 
@@ -185,7 +238,19 @@ def _group(items: Iterable[tuple[int, str]], top: int) -> list[Site]:
 def summary(folder: Path, top: int = 8) -> dict[str, Any]:
     """Everything the report shows of a history folder, as JSON-ready data: each recorded step
     (one of the first steps, or with ``after_jump`` > 0 the step after a jump of torch reserved
-    of that many bytes)."""
+    of that many bytes). :class:`HistoryError` for a folder that is not what the probe writes
+    (``FileNotFoundError`` for one without a snapshot)."""
+    try:
+        return _summary(folder, top)
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
+        if isinstance(exc, HistoryError):
+            raise
+        raise HistoryError(
+            f"its snapshot is not shaped as PyTorch writes one ({exc!r:.80})"
+        ) from None
+
+
+def _summary(folder: Path, top: int) -> dict[str, Any]:
     entries, steps = 0, []
     t_all: list[int] = []
     marks_all: list[dict[str, Any]] = []

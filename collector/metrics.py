@@ -263,7 +263,7 @@ METRICS: tuple[Metric, ...] = (
         "stepmem_remote_write_dropped_total",
         "counter",
         "",
-        "Remote-write samples dropped, by reason (buffer_full, rejected_4xx, gave_up).",
+        "Remote-write samples dropped, by reason (buffer_full, rejected_4xx, redirected, gave_up).",
         (*GPU_LABELS, "reason"),
     ),
     Metric(
@@ -290,7 +290,7 @@ DROP_REASONS = (
     "phase_without_begin",
     "end_before_begin",
 )
-REMOTE_WRITE_DROP_REASONS = ("buffer_full", "rejected_4xx", "gave_up", "ring_overrun")
+REMOTE_WRITE_DROP_REASONS = ("buffer_full", "rejected_4xx", "redirected", "gave_up", "ring_overrun")
 
 #: Metrics pushed per step (remote write, step-end timestamps, ``job="stepmem-steps"``).
 PUSHED = (

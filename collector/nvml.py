@@ -293,9 +293,19 @@ class LiveDevice:
 
 
 def process_name(pid: int, limit: int = 80) -> str:
-    """A process's command line from ``/proc`` (``python -m workloads.patterns ...``), shortened
-    to ``limit`` characters; empty when it cannot be read (another PID namespace, gone)."""
+    """What a process on the GPU is, for the report: for this user's own processes the command
+    line from ``/proc`` (``python -m workloads.patterns ...``), shortened to ``limit``
+    characters; for another user's only its program name and owner (``python3 (uid 1001)``):
+    their arguments may hold anything and are not stepmem's to keep. Empty when it cannot be
+    read (another PID namespace, gone)."""
+    import os
+
     try:
+        owner = os.stat(f"/proc/{int(pid)}").st_uid
+        if owner != os.getuid():
+            with open(f"/proc/{int(pid)}/comm", "rb") as f:
+                comm = f.read().decode(errors="replace").strip()
+            return f"{comm} (uid {owner})"[:limit]
         with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
             args = f.read().split(b"\0")
     except OSError:

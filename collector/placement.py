@@ -5,9 +5,10 @@ Placement rules:
 * one actor per physical GPU, ``num_cpus=0, num_gpus=0`` — a fractional GPU request would pack
   every sampler onto GPU 0's share and could block training workers from being scheduled;
 * pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``;
-* named ``stepmem:<node_id>:<gpu_uuid>`` in namespace ``stepmem``, so any process of the cluster
-  finds the sampler of (its node, its GPU) by name (:mod:`collector.lookup`);
-* owned by the launching driver (dies with the job) unless ``detached=True``.
+* named ``stepmem:<owner>:<node_id>:<gpu_uuid>`` in namespace ``stepmem``, the owner being the
+  launching Ray job (or ``daemon``), so any process of that job finds the sampler of (its node,
+  its GPU) by name (:mod:`collector.lookup`), and two runs on one cluster each have their own;
+* owned by the launching driver (dies with the job) unless ``detached=True`` (the daemon's).
 
 The backend is chosen per actor (:class:`collector.backends.BackendSpec`): ``nvml`` reads the
 node's GPUs; ``replay`` plays committed captures as simulated GPUs (for machines and CI without
@@ -27,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from collector.actor import SamplerActor
 from collector.backends import BackendSpec
 from collector.errors import StepmemError
-from collector.lookup import NAMESPACE, list_samplers, sampler_name
+from collector.lookup import DAEMON, NAMESPACE, list_samplers, sampler_name, this_job
 from collector.nvml import LiveBackend, NvmlUnavailable
 from collector.settings import SamplerOptions
 
@@ -82,8 +83,9 @@ def launch_samplers(
 ) -> list[PlacedSampler]:
     """Place one sampler actor per GPU on every alive node (or on ``nodes``).
 
-    Idempotent: an actor that already exists under the same name is reused, not doubled. Raises
-    ``RuntimeError`` when no node has a GPU for the chosen backend.
+    Idempotent within an owner: an actor that already exists under the same name (this job's,
+    or with ``detached`` the daemon's) is reused, not doubled; another job's never is. Raises
+    :class:`StepmemError` when no node has a GPU for the chosen backend.
     """
     options = options or SamplerOptions()
     if not options.run_id:
@@ -101,8 +103,9 @@ def launch_samplers(
                 f"{top - options.metrics_port} would serve on port {top}; the largest is 65535"
             )
     placed = []
+    owner = DAEMON if detached else this_job()
     for node_id, gpu in found:
-        name = sampler_name(node_id, gpu["uuid"])
+        name = sampler_name(owner, node_id, gpu["uuid"])
         handle = SamplerActor.options(
             name=name,
             namespace=NAMESPACE,

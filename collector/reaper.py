@@ -68,18 +68,30 @@ def marked(token: str) -> list[int]:
     return pids
 
 
-def reap(token: str, grace_s: float = GRACE_S) -> int:
-    """SIGTERM every process carrying ``token``, SIGKILL what is left after ``grace_s``.
-    Returns how many there were."""
-    pids = marked(token)
-    for pid in pids:
+def reap(token: str, grace_s: float = GRACE_S, settle_s: float = 1.0, most_s: float = 30.0) -> int:
+    """SIGTERM every process carrying ``token``, SIGKILL what is left after ``grace_s``; then
+    look again until none has been seen for ``settle_s`` (at most ``most_s``): a raylet that
+    was still dying can start its agents once more after the first sweep, and those must go
+    too. Returns how many there were."""
+    seen = set(marked(token))
+    for pid in seen:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and marked(token):
         time.sleep(0.1)
-    for pid in marked(token):
-        _signal(pid, signal.SIGKILL)
-    return len(pids)
+    end = time.monotonic() + most_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < end:
+        left = marked(token)
+        if left:
+            seen |= set(left)
+            for pid in left:
+                _signal(pid, signal.SIGKILL)
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle_s:
+            break
+        time.sleep(0.1)
+    return len(seen)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "ERROR_PREFIX",
+    "INT64_MAX",
     "STEP_EVENT_KINDS",
     "DeviceInfo",
     "MemoryInfo",
@@ -55,6 +56,21 @@ class DeviceInfo:
 
 STEP_EVENT_KINDS = ("begin", "phase", "end")
 ERROR_PREFIX = "error:"  # an ``end`` event whose phase starts so ends a step that raised
+INT64_MAX = (1 << 63) - 1  # what a Parquet column (and Prometheus' timestamps) can hold
+MAX_NAME_CHARS = 128  # a phase name, a GPU UUID, a torch/ledger key
+MAX_VALUES = 256  # keys in an event's torch or ledger mapping
+MAX_WORLD = 1 << 20  # ranks in one run
+
+
+def _whole(v: Any, lo: int = 0, hi: int = INT64_MAX) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _number(v: Any) -> bool:
+    """A finite int or float that fits an int64 column."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return v == v and -INT64_MAX <= v <= INT64_MAX  # NaN != NaN; inf is out of range
 
 
 @dataclass
@@ -65,6 +81,13 @@ class StepEvent:
     ``allocated_bytes.all.current``, flattened, plus ``mem_get_info``'s free/total); for ``phase``
     and ``end`` events it also holds the peaks since the previous mark. ``ledger`` is present on
     ``end`` events only.
+
+    Who and which step: ``step`` is the caller's own step number (it may repeat: an epoch that
+    restarts ``enumerate(loader)``, a resumed run); ``seq`` is the probe's own sequence number
+    of the step (1, 2, 3, … per process, never repeated), ``pid`` the training process, ``rank``
+    and ``world_size`` its place in a distributed run. A step is keyed by (GPU, pid, seq).
+    Events written before these fields existed have ``seq`` 0 and ``pid`` 0: the join numbers
+    their steps in the order they begin.
     """
 
     kind: str
@@ -74,23 +97,46 @@ class StepEvent:
     phase: str = ""
     torch: dict[str, int] = field(default_factory=dict)
     ledger: dict[str, int] = field(default_factory=dict)
+    seq: int = 0
+    pid: int = 0
+    rank: int = 0
+    world_size: int = 1
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field (events arrive from other processes)."""
+        """Raise ``ValueError`` naming the first bad field (events arrive from other processes
+        and from files anyone can edit): every number must fit an int64 column, names are
+        bounded, values are finite."""
         if self.kind not in STEP_EVENT_KINDS:
             raise ValueError(f"step event kind {self.kind!r} is not one of {STEP_EVENT_KINDS}")
-        if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
-            raise ValueError(f"step event step {self.step!r} is not a non-negative integer")
-        if not isinstance(self.t_ns, int) or isinstance(self.t_ns, bool) or self.t_ns <= 0:
-            raise ValueError(f"step event t_ns {self.t_ns!r} is not a positive integer")
-        if not isinstance(self.gpu_uuid, str) or not self.gpu_uuid:
-            raise ValueError(f"step event gpu_uuid {self.gpu_uuid!r} is empty")
+        if not _whole(self.step):
+            raise ValueError(f"step event step {self.step!r} is not an integer in 0..2^63-1")
+        if not _whole(self.t_ns, 1):
+            raise ValueError(f"step event t_ns {self.t_ns!r} is not an integer in 1..2^63-1")
+        for name in ("seq", "pid"):
+            if not _whole(getattr(self, name)):
+                raise ValueError(f"step event {name} {getattr(self, name)!r} is not an integer")
+        if not _whole(self.world_size, 1, MAX_WORLD):
+            raise ValueError(f"step event world_size {self.world_size!r} is not in 1..{MAX_WORLD}")
+        if not _whole(self.rank, 0, self.world_size - 1):
+            raise ValueError(
+                f"step event rank {self.rank!r} is not in 0..{self.world_size - 1} "
+                f"(world size {self.world_size})"
+            )
+        if not isinstance(self.gpu_uuid, str) or not 0 < len(self.gpu_uuid) <= MAX_NAME_CHARS:
+            raise ValueError(f"step event gpu_uuid {self.gpu_uuid!r} is empty or too long")
+        if not isinstance(self.phase, str) or len(self.phase) > MAX_NAME_CHARS:
+            raise ValueError(f"step event phase must be a string of at most {MAX_NAME_CHARS}")
         for name in ("torch", "ledger"):
             values = getattr(self, name)
-            if not isinstance(values, dict) or not all(
-                isinstance(k, str) and isinstance(v, int | float) for k, v in values.items()
+            if not isinstance(values, dict) or len(values) > MAX_VALUES:
+                raise ValueError(f"step event {name} must map at most {MAX_VALUES} names")
+            if not all(
+                isinstance(k, str) and len(k) <= MAX_NAME_CHARS and _number(v)
+                for k, v in values.items()
             ):
-                raise ValueError(f"step event {name} must map names to numbers")
+                raise ValueError(
+                    f"step event {name} must map names to finite numbers that fit an int64"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies recursively, ~10x slower on the probe's path
@@ -102,23 +148,38 @@ class StepEvent:
             "phase": self.phase,
             "torch": self.torch,
             "ledger": self.ledger,
+            "seq": self.seq,
+            "pid": self.pid,
+            "rank": self.rank,
+            "world_size": self.world_size,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepEvent:
         if not isinstance(d, dict):
             raise ValueError(f"step event must be a mapping, got {type(d).__name__}")
-        known = {
-            k: d[k]
-            for k in ("kind", "step", "t_ns", "gpu_uuid", "phase", "torch", "ledger")
-            if k in d
-        }
+        known = {k: d[k] for k in _EVENT_FIELDS if k in d}
         missing = {"kind", "step", "t_ns", "gpu_uuid"} - known.keys()
         if missing:
             raise ValueError(f"step event lacks {sorted(missing)}")
         ev = cls(**known)
         ev.validate()
         return ev
+
+
+_EVENT_FIELDS = (
+    "kind",
+    "step",
+    "t_ns",
+    "gpu_uuid",
+    "phase",
+    "torch",
+    "ledger",
+    "seq",
+    "pid",
+    "rank",
+    "world_size",
+)
 
 
 @dataclass
@@ -137,10 +198,17 @@ class StepRecord:
     ``gap`` names why the window may have missed samples: ``""`` (none),
     ``"no_samples"``, ``"sampler_started"`` (the sampler started after the step began, e.g. after a
     restart), ``"overrun"`` (the ring buffer no longer holds the start of the window) or
-    ``"stall"`` (two consecutive samples further apart than the sampler's gap threshold).
+    ``"stall"`` (two consecutive samples further apart than the sampler's gap threshold), and
+    with any of these ``"undersampled"`` (fewer than half the samples the rate promised: a
+    sampler starved of CPU, whose peak may miss a short transient) and ``"stale_end"`` (no
+    sample within the mark window on either side of the end mark: the end reading is older than
+    the step's end), space-separated.
     ``torch_*_peak_bytes`` are the allocator's peaks over the whole step (the largest of the peaks
     each phase mark carried); None when the probe had no allocator statistics. ``error`` names the
     exception a failed step raised (``OutOfMemoryError``), ``""`` for a step that ended.
+    ``seq``, ``pid``, ``rank`` and ``world_size`` are the step event's (:class:`StepEvent`): the
+    record's key is (``gpu_uuid``, ``pid``, ``seq``); ``step`` is the caller's number, which may
+    repeat.
     """
 
     gpu_uuid: str
@@ -165,10 +233,19 @@ class StepRecord:
     # NVML per-process memory read when the step was joined (shortly after its end):
     # {"t_ns", "device_used", "procs": [[pid, used_bytes, name], ...]}; {} where not read
     processes: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0
+    pid: int = 0
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.begin_ns) / 1e9
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What tells this step from every other of the run: (GPU, process, sequence)."""
+        return self.gpu_uuid, self.pid, self.seq
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

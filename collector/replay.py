@@ -21,6 +21,7 @@ GPUs on M nodes never collide; the derivation is stable across processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid as uuidlib
@@ -40,7 +41,7 @@ from collector.nvml import (
     NvmlUnavailable,
     NvmlUnknown,
 )
-from collector.records import DeviceInfo, MemoryInfo, ProcessMemory
+from collector.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
 
 __all__ = [
     "CAPTURE_DIR",
@@ -60,6 +61,8 @@ _FAULTS = {
     "unknown": NvmlUnknown,
 }
 FORMAT = 1
+MAX_ROWS = 10_000_000  # samples a replayed capture may hold (24 bytes each, per simulated GPU)
+MAX_EVENT_AFTER_NS = 600 * 1_000_000_000  # events may trail the last sample by this much
 CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
 _NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
 
@@ -134,21 +137,30 @@ class Capture:
 
     @classmethod
     def load(cls, path: str | Path) -> Capture:
+        """Read and check a capture (a file anyone can edit: every field it holds is checked
+        before anything plays it). Raises :class:`CaptureError` naming the first problem.
+        Reads of one unchanged file are shared within a process (:func:`_load_cached`)."""
         path = Path(path)
         if not path.is_file():
             raise CaptureError(f"capture {path} does not exist")
+        st = path.stat()
+        return _load_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+    @classmethod
+    def _read(cls, path: Path) -> Capture:
         try:
-            table = pq.read_table(path)
+            pf = pq.ParquetFile(path)
+            raw = (pf.schema_arrow.metadata or {}).get(META_KEY)
+            rows = pf.metadata.num_rows
         except (OSError, pa.ArrowException) as exc:
             raise CaptureError(f"capture {path} is not a readable Parquet file: {exc}") from None
-        raw = (table.schema.metadata or {}).get(META_KEY)
         if raw is None:
             raise CaptureError(
                 f"{path} is a Parquet file but not a stepmem capture (no stepmem.capture metadata)"
             )
         try:
             meta = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise CaptureError(f"capture {path} has corrupt metadata") from None
         _check_meta(meta, path)
         if meta.get("format") != FORMAT:
@@ -156,28 +168,76 @@ class Capture:
                 f"capture {path} has format {meta.get('format')!r}; "
                 f"this stepmem reads format {FORMAT}"
             )
-        missing = {"t_ns", "used", "reserved"} - set(table.column_names)
+        missing = {"t_ns", "used", "reserved"} - set(pf.schema_arrow.names)
         if missing:
             raise CaptureError(f"capture {path} lacks columns {sorted(missing)}")
-        t = table.column("t_ns").to_numpy().astype(np.int64)
-        if len(t) == 0:
+        for name in ("t_ns", "used", "reserved"):
+            if not pa.types.is_integer(pf.schema_arrow.field(name).type):
+                raise CaptureError(
+                    f"capture {path}: column {name} holds {pf.schema_arrow.field(name).type}, "
+                    "not integers"
+                )
+        if rows == 0:
             raise CaptureError(f"capture {path} holds no samples")
-        if np.any(np.diff(t) < 0):
-            raise CaptureError(f"capture {path} has timestamps out of order")
-        dev = meta.get("device") or {}
+        if rows > MAX_ROWS:
+            raise CaptureError(
+                f"capture {path} holds {rows:,} samples; a replay plays at most {MAX_ROWS:,} "
+                "(each simulated GPU keeps them in memory)"
+            )
+        try:
+            table = pf.read(columns=["t_ns", "used", "reserved"])
+        except (OSError, pa.ArrowException) as exc:
+            raise CaptureError(f"capture {path} is not a readable Parquet file: {exc}") from None
+        cols = {}
+        for name in ("t_ns", "used", "reserved"):
+            col = table.column(name)
+            if col.null_count:
+                raise CaptureError(f"capture {path}: column {name} has missing values")
+            cols[name] = col.to_numpy().astype(np.int64)
+        t, used, reserved = cols["t_ns"], cols["used"], cols["reserved"]
+        total = int(meta["device"]["total_bytes"])
+        if t[0] != 0 or np.any(np.diff(t) < 0):
+            raise CaptureError(
+                f"capture {path} has timestamps out of order (they start at 0 and never go back)"
+            )
+        for name, v in (("used", used), ("reserved", reserved)):
+            if int(v.min()) < 0 or int(v.max()) > total:
+                raise CaptureError(
+                    f"capture {path}: {name} holds values outside 0..{total} bytes (the card's "
+                    f"total): {int(v.min())}..{int(v.max())}"
+                )
+        duration = int(t[-1])
+        for i, ev in enumerate(meta.get("events", [])):
+            if ev["t_ns"] > duration + MAX_EVENT_AFTER_NS:
+                raise CaptureError(
+                    f"capture {path}: events[{i}] is at {ev['t_ns'] / 1e9:.0f} s, far past the "
+                    f"samples' end ({duration / 1e9:.1f} s)"
+                )
+        dev = meta["device"]
         return cls(
             t_ns=t,
-            used=table.column("used").to_numpy().astype(np.int64),
-            reserved=table.column("reserved").to_numpy().astype(np.int64),
+            used=used,
+            reserved=reserved,
             device=dev,
             rate_hz=float(meta.get("rate_hz", 0.0)),
-            command=meta.get("command", ""),
-            recorded_at=meta.get("recorded_at", ""),
+            command=str(meta.get("command", "")),
+            recorded_at=str(meta.get("recorded_at", "")),
             processes=meta.get("processes", []),
             events=meta.get("events", []),
             notes=meta.get("notes", {}),
             name=path.name.removesuffix(".parquet").removesuffix(".capture"),
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, size: int, mtime_ns: int) -> Capture:
+    """One read of an unchanged capture file per process (the job checks, places and plays
+    the same capture; a 10-million-row file is read once, not four times)."""
+    return Capture._read(Path(path))
+
+
+def _info_version(v: Any) -> int:
+    return int(v) if v in (1, 2) else 2
 
 
 def _is_int(v: Any) -> bool:
@@ -199,8 +259,11 @@ def _check_meta(meta: Any, path: Path) -> None:
         raise CaptureError(f"{bad} device.uuid must be a non-empty string")
     if not _is_int(dev.get("total_bytes")) or dev["total_bytes"] <= 0:
         raise CaptureError(f"{bad} device.total_bytes must be a positive integer")
-    if not isinstance(meta.get("rate_hz", 0), int | float):
-        raise CaptureError(f"{bad} rate_hz must be a number")
+    if dev.get("memory_info_version", 2) not in (1, 2):
+        raise CaptureError(f"{bad} device.memory_info_version must be 1 or 2")
+    rate = meta.get("rate_hz", 0)
+    if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate < 1e7:
+        raise CaptureError(f"{bad} rate_hz must be a number of Hz (0: max)")
     for key, kind in (("events", list), ("processes", list), ("notes", dict)):
         if not isinstance(meta.get(key, kind()), kind):
             raise CaptureError(f"{bad} '{key}' must be a {'list' if kind is list else 'mapping'}")
@@ -216,13 +279,31 @@ def _check_meta(meta: Any, path: Path) -> None:
         for k in ("torch", "ledger"):
             if not isinstance(ev.get(k, {}), dict):
                 raise CaptureError(f"{where}.{k} must be a mapping")
+        try:  # every field as a sampler will check it: a bad value fails here, not mid-run
+            StepEvent.from_dict({"gpu_uuid": dev["uuid"], **ev, "t_ns": ev["t_ns"] + 1})
+        except (ValueError, TypeError) as exc:
+            raise CaptureError(f"{where}: {exc}") from None
     for i, snap in enumerate(meta.get("processes", [])):
         if not (
             isinstance(snap, dict)
             and _is_int(snap.get("t_ns"))
+            and snap["t_ns"] >= 0
             and isinstance(snap.get("procs"), list)
         ):
             raise CaptureError(f"{bad} processes[{i}] must have an integer t_ns and a procs list")
+        for p in snap["procs"]:
+            if not (
+                isinstance(p, list)
+                and len(p) >= 2
+                and _is_int(p[0])
+                and p[0] >= 0
+                and (p[1] is None or (_is_int(p[1]) and 0 <= p[1] <= dev["total_bytes"]))
+                and (len(p) < 3 or isinstance(p[2], str))
+            ):
+                raise CaptureError(
+                    f"{bad} processes[{i}].procs holds {str(p)[:60]!r}: each must be "
+                    "[pid, used bytes or null, name]"
+                )
 
 
 def builtin_captures() -> dict[str, Path]:
@@ -275,14 +356,15 @@ class ReplayDevice:
         self.loop = loop
         self._clock = clock
         self._t = capture.t_ns
-        self._used = capture.used.tolist()
-        self._reserved = capture.reserved.tolist()
+        self._used = capture.used  # numpy, shared with the capture: 8 bytes a value
+        self._reserved = capture.reserved
         self._period = capture.duration_ns + max(
             1, int(np.median(np.diff(capture.t_ns))) if len(capture.t_ns) > 1 else 1
         )
-        self.memory_info_version = int(capture.device.get("memory_info_version", 2))
+        self.memory_info_version = _info_version(capture.device.get("memory_info_version", 2))
         self._fault: tuple[type, int, int] | None = None
         self._reads = 0
+        self._held = False  # restarted by Ray: read nothing until aligned again
 
     @property
     def uuid(self) -> str:
@@ -293,7 +375,7 @@ class ReplayDevice:
         pos = int(((self._clock() if t_ns is None else t_ns) - self.origin_ns) * self.speed)
         if pos < 0:
             return 0
-        return pos % self._period if self.loop else pos
+        return pos % self._period if self.loop else min(pos, self._period)
 
     def monotonic_of(self, capture_t_ns: int, lap: int = 0) -> int:
         """The monotonic time at which the replay reaches ``capture_t_ns`` (on lap ``lap``)."""
@@ -313,8 +395,19 @@ class ReplayDevice:
         """Fault injection: from monotonic ``t_ns`` on, every read raises ``NvmlGpuLost``."""
         self.inject("gpu_lost", 1, t_ns)
 
-    def _index(self) -> int:
-        now = self._clock()
+    def align(self, origin_ns: int, loop: bool) -> None:
+        """Play so that capture time 0 falls at monotonic ``origin_ns``, once or in a loop."""
+        self.origin_ns, self.loop, self._held = origin_ns, loop, False
+
+    def hold(self) -> None:
+        """Read nothing (NVML ``unavailable``) until :meth:`align` says where to play: a
+        sampler that Ray restarted lost its alignment, and a misaligned replay would show
+        values from the wrong moment as if measured."""
+        self._held = True
+
+    def _index(self, now: int) -> int:
+        if self._held:
+            raise NvmlUnavailable(f"{self.uuid}: replay waits to be aligned after a restart")
         if self._fault is not None and now >= self._fault[2]:
             self._reads += 1
             if self._reads % self._fault[1] == 0:
@@ -328,8 +421,14 @@ class ReplayDevice:
         return int(self._used[i])
 
     def read(self) -> tuple[int, int]:
-        i = self._index()
-        return self._used[i], self._reserved[i]
+        return self.read_at(self._clock())
+
+    def read_at(self, t_ns: int) -> tuple[int, int]:
+        """The values in force at monotonic ``t_ns`` (the sampler stamps its sample with the
+        same ``t_ns``: a thread preempted between reading and stamping cannot move a value in
+        time)."""
+        i = self._index(t_ns)
+        return int(self._used[i]), int(self._reserved[i])
 
     def memory(self) -> MemoryInfo:
         used, reserved = self.read()

@@ -1,205 +1,149 @@
-"""``stepmem report``: a run's per-step table and its diagnosis; ``stepmem compare``.
+"""``stepmem report``: a run's per-step tables and its diagnosis, as text.
 
-A run is a run-store directory (``runs/<run id>``) or the records JSON of ``stepmem run --out``.
+Reading a run is :mod:`collector.runs`; comparing two is :mod:`collector.compare`. Everything a
+run store or records file says is data: it is printed as plain text (never as Rich markup) and
+nothing in it is executed.
 """
 
 from __future__ import annotations
 
 import io
-import json
-import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from collector.accounting import nontorch_bytes
 from collector.diagnose import Finding, diagnose, g, steps_text
-from collector.errors import InputError
+from collector.runs import Run, Stream
 
-__all__ = ["Run", "compare", "load_run", "render_report"]
+__all__ = ["render_report"]
 
-
-_INT_FIELDS = ("begin_ns", "end_ns", "samples")
-_OPTIONAL_INT_FIELDS = (
-    "nvml_peak_bytes",
-    "nvml_peak_t_ns",
-    "nvml_min_bytes",
-    "nvml_end_bytes",
-    "nvml_reserved_bytes",
-    "torch_allocated_peak_bytes",
-    "torch_reserved_peak_bytes",
+GIB = 1 << 30
+TABLE_ROWS = 40  # a stream with more steps shows its first and last ones and the notable ones
+EDGE_ROWS = 15
+COLUMNS = (
+    "step",
+    "nvml peak",
+    "nvml end",
+    "alloc peak",
+    "alloc end",
+    "resv peak",
+    "resv end",
+    "non-torch",
+    "params",
+    "grads",
+    "opt state",
+    "managed",
+    "gap",
 )
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _c(v: float | None, missing: str = "") -> str:
+    return missing if v is None else f"{v / GIB:.2f}"
 
 
-def check_records(records: Any, source: str) -> list[dict[str, Any]]:
-    """``records`` if they are step records stepmem can read; otherwise :class:`InputError`
-    naming the first bad record and field (records come from files anyone can edit)."""
-    if not isinstance(records, list):
-        raise InputError(f"{source}: 'records' must be a list, got {type(records).__name__}")
-    for i, r in enumerate(records):
-        where = f"{source}: record {i}"
-        if not isinstance(r, dict):
-            raise InputError(f"{where} is not an object")
-        if not isinstance(r.get("gpu_uuid"), str) or not r["gpu_uuid"]:
-            raise InputError(f"{where}: gpu_uuid must be a non-empty string")
-        if not _is_int(r.get("step")) or r["step"] < 0:
-            raise InputError(f"{where}: step must be a non-negative integer, got {r.get('step')!r}")
-        for k in _INT_FIELDS:
-            if k in r and not _is_int(r[k]):
-                raise InputError(f"{where}: {k} must be an integer, got {r[k]!r}")
-        for k in _OPTIONAL_INT_FIELDS:
-            if r.get(k) is not None and not _is_int(r[k]):
-                raise InputError(
-                    f"{where}: {k} must be a whole number of bytes or null, got {r[k]!r}"
-                )
-        for k in ("torch_end", "torch_begin", "ledger"):
-            v = r.get(k)
-            if v is not None and not (
-                isinstance(v, dict)
-                and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v.values())
-            ):
-                raise InputError(f"{where}: {k} must map names to numbers")
-        if r.get("phases") is not None and not (
-            isinstance(r["phases"], list) and all(isinstance(p, dict) for p in r["phases"])
-        ):
-            raise InputError(f"{where}: phases must be a list of objects")
-        for k in ("gap", "error"):
-            if r.get(k) is not None and not isinstance(r[k], str):
-                raise InputError(f"{where}: {k} must be a string, got {r[k]!r}")
-    return records
+def _row(r: dict[str, Any], seq: bool) -> list[str]:
+    te, led = r.get("torch_end") or {}, r.get("ledger") or {}
+    gap = " ".join(x for x in (r.get("gap"), r.get("error") and "FAILED") if x)
+    return [
+        *([str(r.get("seq", ""))] if seq else []),
+        str(r["step"]),
+        _c(r.get("nvml_peak_bytes"), "—"),  # not measured: no sample inside the step
+        _c(r.get("nvml_end_bytes"), "—"),
+        _c(r.get("torch_allocated_peak_bytes")),
+        _c(te.get("allocated_bytes.all.current")),
+        _c(r.get("torch_reserved_peak_bytes")),
+        _c(te.get("reserved_bytes.all.current")),
+        _c(nontorch_bytes(r)),
+        _c(led.get("parameters")),
+        _c(led.get("gradients")),
+        _c(led.get("optimizer_state")),
+        _c(led.get("optimizer_state_managed")),
+        gap,
+    ]
 
 
-def check_meta(meta: Any, source: str) -> dict[str, Any]:
-    """Run metadata (``meta.json`` or a records file's header) stepmem can read, else
-    :class:`InputError` naming the field."""
-    if not isinstance(meta, dict):
-        raise InputError(f"{source}: must be a JSON object, got {type(meta).__name__}")
-    samplers = meta.get("samplers", [])
-    if not isinstance(samplers, list):
-        raise InputError(f"{source}: 'samplers' must be a list")
-    for i, smp in enumerate(samplers):
-        if not isinstance(smp, dict):
-            raise InputError(f"{source}: samplers[{i}] is not an object")
-        for k, ok in (
-            ("gpu_uuid", lambda v: isinstance(v, str) and v),
-            ("node_id", lambda v: isinstance(v, str)),
-            ("index", _is_int),
-            ("total_bytes", lambda v: _is_int(v) and v > 0),
-        ):
-            if not ok(smp.get(k)):
-                raise InputError(f"{source}: samplers[{i}].{k} is missing or of the wrong type")
-    for k in ("banner", "status", "run_id"):
-        if meta.get(k) is not None and not isinstance(meta[k], str):
-            raise InputError(f"{source}: {k} must be a string")
-    return meta
+def shown_rows(recs: list[dict[str, Any]], all_steps: bool = False) -> list[int | None]:
+    """Which records a table shows: all of a short stream; of a long one the first and last
+    :data:`EDGE_ROWS`, the highest NVML peak, and every failed or gapped step up to the table's
+    size. ``None`` marks where steps are left out."""
+    n = len(recs)
+    if all_steps or n <= TABLE_ROWS:
+        return list(range(n))
+    keep = set(range(EDGE_ROWS)) | set(range(n - EDGE_ROWS, n))
+    peaked = [i for i in range(n) if recs[i].get("nvml_peak_bytes") is not None]
+    if peaked:
+        keep.add(max(peaked, key=lambda i: recs[i]["nvml_peak_bytes"]))
+    odd = [i for i in range(n) if recs[i].get("error") or recs[i].get("gap")]
+    for i in odd[: TABLE_ROWS - len(keep)]:
+        keep.add(i)
+    out: list[int | None] = []
+    for i in sorted(keep):
+        if out and out[-1] is not None and i != out[-1] + 1:
+            out.append(None)
+        out.append(i)
+    return out
 
 
-class Run:
-    """One run's step records per GPU (in sampler index order) and the GPUs' capacities."""
-
-    def __init__(self, name: str, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:
-        self.name = name
-        self.meta = meta
-        self.root: Path | None = None  # the run directory, when read from the run store
-        samplers = sorted(meta.get("samplers", []), key=lambda s: (s["node_id"], s["index"]))
-        self.gpus = [s["gpu_uuid"] for s in samplers] or sorted({r["gpu_uuid"] for r in records})
-        self.totals = {s["gpu_uuid"]: s["total_bytes"] for s in samplers}
-        self.by_gpu = {
-            u: sorted((r for r in records if r["gpu_uuid"] == u), key=lambda r: r["step"])
-            for u in self.gpus
-        }
-
-
-def load_run(path: str | Path) -> Run:
-    """Read a run directory or a records JSON. Raises ``ValueError`` naming what is wrong."""
-    path = Path(path)
-    if path.is_dir():
-        from collector.store import RunStore
-
-        store = RunStore(path)
-        check_meta(store.meta, str(path / "meta.json"))
-        records = [r.to_dict() for r in store.records()]
-        run = Run(path.name, store.meta, check_records(records, str(path / "steps")))
-        run.root = path
-        return run
-    if not path.is_file():
-        raise InputError(f"{path} is neither a run directory nor a records file")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path} is not a stepmem records file ({exc})") from None
-    if not isinstance(doc, dict) or "records" not in doc:
-        raise InputError(f"{path} is not a stepmem records file (no 'records')")
-    check_meta(doc, str(path))
-    return Run(path.stem, doc, check_records(doc["records"], str(path)))
-
-
-def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
-    """The report as text (rich tables + findings) and the findings per GPU."""
-    from rich.console import Console
+def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
     from rich.table import Table
 
-    console = Console(width=150, record=True, file=io.StringIO())
+    recs = stream.records
+    seq = stream.steps_repeat
+    title = f"GPU {stream.gpu} {stream.gpu_uuid}{stream.label(several)} — memory per step (GiB)"
+    table = Table(title=title, title_justify="center")
+    for col in ("#", *COLUMNS) if seq else COLUMNS:
+        table.add_column(col, justify="right")
+    rows = shown_rows(recs, all_steps)
+    for k, i in enumerate(rows):
+        if i is None:
+            nxt = rows[k + 1]
+            prev = rows[k - 1]
+            assert nxt is not None and prev is not None
+            left = nxt - prev - 1
+            table.add_row(*(["⋯"] * (len(COLUMNS) + seq - 1)), f"{left} steps")
+            continue
+        table.add_row(*_row(recs[i], seq))
+    return table
+
+
+def render_report(
+    run: Run, verbose: bool = False, all_steps: bool = False
+) -> tuple[str, dict[tuple[str, int], list[Finding]]]:
+    """The report as text (tables + findings) and the findings per stream ((GPU, pid))."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(width=150, record=True, file=io.StringIO(), highlight=False)
     findings = {}
-    console.print(f"[bold]Run {run.name}[/bold] — {run.meta.get('banner', '')}")
-    status = _status_line(run.meta)
-    if status:
-        console.print(f"[bold]{status}[/bold]")
-    for i, uuid in enumerate(run.gpus):
-        recs = run.by_gpu[uuid]
-        table = Table(title=f"GPU {i} {uuid} — memory per step (GiB)")
-        for col in (
-            "step",
-            "nvml peak",
-            "nvml end",
-            "alloc peak",
-            "alloc end",
-            "resv peak",
-            "resv end",
-            "non-torch",
-            "params",
-            "grads",
-            "opt state",
-            "managed",
-            "gap",
-        ):
-            table.add_column(col, justify="right")
-        for r in recs:
-            te, led = r.get("torch_end") or {}, r.get("ledger") or {}
-            res = te.get("reserved_bytes.all.current")
-            nt = nontorch_bytes(r)
-
-            def c(v, missing=""):
-                return missing if v is None else f"{v / (1 << 30):.2f}"
-
-            table.add_row(
-                str(r["step"]),
-                c(r.get("nvml_peak_bytes"), "—"),  # not measured: no sample inside the step
-                c(r.get("nvml_end_bytes"), "—"),
-                c(r.get("torch_allocated_peak_bytes")),
-                c(te.get("allocated_bytes.all.current")),
-                c(r.get("torch_reserved_peak_bytes")),
-                c(res),
-                c(nt),
-                c(led.get("parameters")),
-                c(led.get("gradients")),
-                c(led.get("optimizer_state")),
-                c(led.get("optimizer_state_managed")),
-                " ".join(x for x in (r.get("gap"), r.get("error") and "FAILED") if x),
+    title = Text(f"Run {run.name}", style="bold")
+    title.append(f" — {run.meta.get('banner', '')}", style="")
+    console.print(title)
+    for line in status_lines(run.meta):
+        console.print(Text(line, style="bold"))
+    quality = sampling_line(run.meta)
+    if quality:
+        console.print(Text(quality))
+    repeat = [s for s in run.streams if s.steps_repeat]
+    if repeat:
+        console.print(
+            Text(
+                "Step numbers repeat (the caller restarts them, e.g. each epoch): every step "
+                "is kept, numbered # in the order it ran; the diagnosis names steps by that #."
             )
-        console.print(table)
-        findings[uuid] = diagnose(recs, run.totals.get(uuid))
-        console.print("[bold]Diagnosis[/bold]")
-        for f in findings[uuid]:
-            console.print(f" • {f.text}")
+        )
+    for stream in run.streams:
+        several = len(run.streams_of(stream.gpu_uuid)) > 1
+        console.print(_table(run, stream, several, all_steps))
+        fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid))
+        findings[(stream.gpu_uuid, stream.pid)] = fs
+        console.print(Text("Diagnosis", style="bold"))
+        for f in fs:
+            console.print(Text(f" • {f.text}"))
             if f.rule == "oom" and run.root is not None:
-                lead = _lead_up(run.root, uuid, recs, f.numbers["step"])
+                lead = _lead_up(run.root, stream.gpu_uuid, stream.records, f.numbers["step"])
                 if lead:
-                    console.print(f"   {lead}")
-    if len(run.gpus) > 1:
+                    console.print(Text(f"   {lead}"))
+    if len(run.streams) > 1:
         _fleet(run, console)
     if run.root is not None and (run.root / "history").is_dir():
         _sites(run.root / "history", console)
@@ -208,25 +152,28 @@ def render_report(run: Run) -> tuple[str, dict[str, list[Finding]]]:
 
 def _sites(folder: Path, console: Any, top: int = 3) -> None:
     """Which lines allocated it: the probe's allocation history (first GPU of the process)."""
+    from rich.text import Text
+
     from collector import history
 
     try:
         doc = history.summary(folder, top=top)
     except FileNotFoundError:  # recording started but its steps never ended
         return
-    except (OSError, ValueError, EOFError, KeyError) as exc:
-        console.print(
-            f"[bold]Allocation sites[/bold]: the history in {folder} is unreadable ({exc})"
-        )
+    except history.HistoryError as exc:
+        console.print(Text(f"Allocation sites: the history in {folder} is unreadable ({exc})"))
         return
     steps = doc["steps"]
     if not steps:
         return
-    console.print(
-        f"[bold]Allocation sites[/bold] (PyTorch's memory history, steps "
-        f"{steps_text([s['step'] for s in steps])}, {doc['trace_entries']:,} allocator events; "
-        f"open {folder}/*.pickle in https://pytorch.org/memory_viz)"
+    head = Text("Allocation sites", style="bold")
+    head.append(
+        f" (PyTorch's memory history, steps {steps_text([s['step'] for s in steps])}, "
+        f"{doc['trace_entries']:,} allocator events; open {folder}/*.pickle in "
+        "https://pytorch.org/memory_viz)",
+        style="",
     )
+    console.print(head)
 
     def fmt(rows: list[dict[str, Any]]) -> str:
         return "; ".join(f"{r['site']} {g(r['bytes'])} ({r['count']})" for r in rows) or "—"
@@ -239,104 +186,236 @@ def _sites(folder: Path, console: Any, top: int = 3) -> None:
             else ""
         )
         console.print(
-            f" • step {s['step']}{why}: at its peak ({g(s['peak_bytes'])} traced, "
-            f"{s['peak_phase'].replace('_', '/')}): {fmt(s['at_peak'])}"
+            Text(
+                f" • step {s['step']}{why}: at its peak ({g(s['peak_bytes'])} traced, "
+                f"{s['peak_phase'].replace('_', '/')}): {fmt(s['at_peak'])}"
+            )
         )
         if s["kept_to_next"]:
             console.print(
-                f"   allocated in step {s['step']}, still live at the end of step "
-                f"{s['step'] + 1}: {fmt(s['kept_to_next'])}"
+                Text(
+                    f"   allocated in step {s['step']}, still live at the end of step "
+                    f"{s['step'] + 1}: {fmt(s['kept_to_next'])}"
+                )
             )
 
 
+FLEET_ROWS = 16  # a fleet table of more streams shows the highest, the lowest and the odd ones
+IMBALANCE_FRACTION = 0.10  # a rank whose allocated peak is this far from the median…
+IMBALANCE_BYTES = 256 << 20  # …and at least this far, is named
+_LEDGER_PARTS = ("parameters", "gradients", "optimizer_state", "other_allocated")
+
+
 class _FleetRow(NamedTuple):
-    gpu: int  # the report's GPU number
+    stream: Stream
     node: str  # node id, shortened
-    recs: list[dict[str, Any]]
     top: dict[str, Any] | None  # the step with the highest NVML peak (None: none measured)
+    alloc: int | None  # this process's highest torch allocated peak
     lost: bool  # its sampler could not be reached at the end of the run
 
 
-def _fleet(run: Run, console: Any) -> None:
-    """Every GPU side by side: which peaks highest, how far apart the GPUs are, per node, and
-    which GPUs were lost (a sampler not reachable at the end: its node gone, its actor dead)."""
-    from rich.table import Table
-
+def _fleet_rows(run: Run) -> list[_FleetRow]:
     samplers = run.meta.get("samplers", [])
     node_of = {s["gpu_uuid"]: str(s["node_id"])[:12] for s in samplers}
     lost = {
         s["gpu_uuid"]
         for s, h in zip(samplers, run.meta.get("health") or [], strict=False)
-        if h.get("unreachable")
+        if isinstance(h, dict) and h.get("unreachable")
     }
-    gib = 1 << 30
     rows = []
-    for i, uuid in enumerate(run.gpus):
-        recs = run.by_gpu[uuid]
-        peaked = [r for r in recs if r.get("nvml_peak_bytes") is not None]
+    for st in run.streams:
+        peaked = [r for r in st.records if r.get("nvml_peak_bytes") is not None]
         top = max(peaked, key=lambda r: r["nvml_peak_bytes"], default=None)
-        rows.append(_FleetRow(i, node_of.get(uuid, "?"), recs, top, uuid in lost))
-    table = Table(title="Fleet — every GPU of the run (GiB)")
-    for col in ("GPU", "node", "steps", "last step", "nvml peak", "in step", "alloc peak", "state"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        alloc = max((r.get("torch_allocated_peak_bytes") or 0 for r in row.recs), default=0)
-        table.add_row(
-            str(row.gpu),
-            row.node,
-            str(len(row.recs)),
-            str(row.recs[-1]["step"]) if row.recs else "—",
-            f"{row.top['nvml_peak_bytes'] / gib:.2f}" if row.top else "—",
-            str(row.top["step"]) if row.top else "—",
-            f"{alloc / gib:.2f}" if row.recs else "—",
-            "LOST" if row.lost else "",
+        allocs = [
+            r["torch_allocated_peak_bytes"]
+            for r in st.records
+            if r.get("torch_allocated_peak_bytes") is not None
+        ]
+        rows.append(
+            _FleetRow(
+                st,
+                node_of.get(st.gpu_uuid, "?"),
+                top,
+                max(allocs, default=None),
+                st.gpu_uuid in lost,
+            )
         )
+    return rows
+
+
+def imbalance(rows: list[_FleetRow]) -> list[dict[str, Any]]:
+    """Ranks whose highest torch allocated peak lies further than :data:`IMBALANCE_FRACTION`
+    (and :data:`IMBALANCE_BYTES`) from the median of all ranks, each with the ledger component
+    that differs most from the median rank's (parameters, gradients, optimizer state, other
+    allocated: activations and temporaries)."""
+    import statistics
+
+    ranked = [r for r in rows if r.alloc is not None and not r.lost]
+    if len(ranked) < 2:
+        return []
+    med = statistics.median(r.alloc for r in ranked)
+
+    def ledger(row: _FleetRow) -> dict[str, int]:
+        last = next((r for r in reversed(row.stream.records) if r.get("ledger")), None)
+        return {k: int((last or {}).get("ledger", {}).get(k, 0)) for k in _LEDGER_PARTS}
+
+    parts_med = {k: statistics.median(ledger(r)[k] for r in ranked) for k in _LEDGER_PARTS}
+    out = []
+    for row in ranked:
+        diff = row.alloc - med
+        if abs(diff) <= max(IMBALANCE_FRACTION * med, IMBALANCE_BYTES):
+            continue
+        led = ledger(row)
+        deltas = {k: led[k] - parts_med[k] for k in _LEDGER_PARTS}
+        part = max(deltas, key=lambda k: abs(deltas[k])) if any(deltas.values()) else None
+        out.append(
+            {
+                "rank": row.stream.rank,
+                "gpu": row.stream.gpu,
+                "pid": row.stream.pid,
+                "alloc_peak": row.alloc,
+                "median": med,
+                "diff": diff,
+                "component": part,
+                "component_diff": deltas[part] if part else 0,
+            }
+        )
+    return out
+
+
+def _fleet(run: Run, console: Any) -> None:
+    """Every stream (a GPU, or one rank of several on a GPU) side by side: which peaks highest,
+    how far apart they are, per node, ranks out of balance, and GPUs that were lost (a sampler
+    not reachable at the end: its node gone, its actor dead). A fleet of more than
+    :data:`FLEET_ROWS` shows its highest and lowest and every odd one, and says how many more
+    lie between."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = _fleet_rows(run)
+    odd_ranks = {(x["gpu"], x["pid"]) for x in imbalance(rows)}
+    ranks = any(r.stream.world_size > 1 or len(run.streams_of(r.stream.gpu_uuid)) > 1 for r in rows)
+    shown = rows
+    if len(rows) > FLEET_ROWS:
+        by_peak = sorted(rows, key=lambda r: -(r.top["nvml_peak_bytes"] if r.top else -1))
+        keep = {id(r) for r in by_peak[:6] + by_peak[-3:]}
+        keep |= {id(r) for r in rows if r.lost or (r.stream.gpu, r.stream.pid) in odd_ranks}
+        shown = [r for r in rows if id(r) in keep]
+    what = f"{len(rows)} ranks" if ranks else f"every GPU ({len(rows)})"
+    table = Table(title=f"Fleet — {what} of the run (GiB)")
+    cols = [
+        "GPU",
+        *(["rank"] if ranks else []),
+        "node",
+        "steps",
+        "last step",
+        "nvml peak",
+        "in step",
+        "alloc peak",
+        "state",
+    ]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for row in shown:
+        st = row.stream
+        state = "LOST" if row.lost else ("IMBALANCED" if (st.gpu, st.pid) in odd_ranks else "")
+        table.add_row(
+            str(st.gpu),
+            *([str(st.rank)] if ranks else []),
+            row.node,
+            str(len(st.records)),
+            str(st.records[-1]["step"]) if st.records else "—",
+            _c(row.top["nvml_peak_bytes"]) if row.top else "—",
+            str(row.top["step"]) if row.top else "—",
+            _c(row.alloc, "—"),
+            state,
+        )
+    if len(shown) < len(rows):
+        table.add_row(*(["⋯"] * (len(cols) - 1)), f"{len(rows) - len(shown)} more")
     console.print(table)
-    console.print("[bold]Fleet[/bold]")
+    console.print(Text("Fleet", style="bold"))
+    for line in fleet_lines(run, rows):
+        console.print(Text(f" • {line}"))
+
+
+def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
+    """The fleet's findings, as lines."""
+    out = []
     # a lost GPU's records stop early: comparing its few steps with whole runs says nothing
     ran = [row for row in rows if not row.lost] or rows
-    measured = [row for row in ran if row.top is not None]
     if len(ran) < len(rows):
-        console.print(f" • Compared: the {len(ran)} GPUs that were not lost.")
-    if measured:
+        ranks = len(rows) > len(run.gpus)
+        what = "ranks whose GPU was" if ranks else "GPUs that were"
+        out.append(f"Compared: the {len(ran)} {what} not lost.")
+    worlds = sorted({r.stream.world_size for r in rows})
+    if len(worlds) > 1:
+        out.append(
+            "The ranks do not agree on the world size ("
+            + ", ".join(str(w) for w in worlds)
+            + "): they may belong to different runs, or one restarted with another size."
+        )
+    gpu_top: dict[int, _FleetRow] = {}
+    for row in ran:
+        if row.top is None:
+            continue
+        cur = gpu_top.get(row.stream.gpu)
+        if cur is None or row.top["nvml_peak_bytes"] > cur.top["nvml_peak_bytes"]:
+            gpu_top[row.stream.gpu] = row
+    measured = list(gpu_top.values())
+    if len(measured) > 1:
         hi = max(measured, key=lambda row: row.top["nvml_peak_bytes"])
         lo = min(measured, key=lambda row: row.top["nvml_peak_bytes"])
         hb, lb = hi.top["nvml_peak_bytes"], lo.top["nvml_peak_bytes"]
         pct = (hb / lb - 1) * 100 if lb else 0.0
         if hb == lb:
-            console.print(
-                f" • Every compared GPU's highest within-step peak is the same: {hb / gib:.2f} GiB "
+            out.append(
+                f"Every compared GPU's highest within-step peak is the same: {g(hb)} "
                 f"({len(measured)} GPUs)."
             )
         else:
-            console.print(
-                f" • Highest within-step peak: GPU {hi.gpu} on node {hi.node}, {hb / gib:.2f} GiB "
-                f"in step {hi.top['step']}; lowest: GPU {lo.gpu} on node {lo.node}, "
-                f"{lb / gib:.2f} GiB — the highest is {(hb - lb) / gib:.2f} GiB ({pct:.1f} %) "
-                "above."
+            out.append(
+                f"Highest within-step peak: GPU {hi.stream.gpu} on node {hi.node}, {g(hb)} in "
+                f"step {hi.top['step']}; lowest: GPU {lo.stream.gpu} on node {lo.node}, "
+                f"{g(lb)} — the highest is {g(hb - lb)} ({pct:.1f} %) above."
             )
         nodes: dict[str, int] = {}
         for row in measured:
             nodes[row.node] = max(nodes.get(row.node, 0), row.top["nvml_peak_bytes"])
         if len(nodes) > 1:
-            console.print(
-                " • Per node, highest peak: "
-                + ", ".join(f"{n} {b / gib:.2f} GiB" for n, b in sorted(nodes.items()))
+            out.append(
+                "Per node, highest peak: "
+                + ", ".join(f"{n} {g(b)}" for n, b in sorted(nodes.items()))
                 + "."
             )
-    most = max((len(row.recs) for row in rows), default=0)
+    for x in imbalance(rows):
+        what = ""
+        if x["component"]:
+            name = x["component"].replace("_", " ")
+            if x["component"] == "other_allocated":
+                name = "other allocated (activations, temporaries)"
+            diff = x["component_diff"] / GIB
+            what = f"; the ledger component that differs most: {name} ({diff:+.2f} GiB)"
+        out.append(
+            f"Rank {x['rank']} (GPU {x['gpu']}) is out of balance: its allocated peak "
+            f"{g(x['alloc_peak'])} is {x['diff'] / GIB:+.2f} GiB "
+            f"({100 * x['diff'] / x['median']:+.0f} %) from the median of the ranks "
+            f"({g(x['median'])}){what}."
+        )
+    most = max((len(row.stream.records) for row in rows), default=0)
     for row in rows:
         if row.lost:
-            console.print(
-                f" • GPU {row.gpu} on node {row.node} was LOST: its sampler could not be reached "
-                "at the end of the run (its node removed or dead, or the actor killed); "
+            recs = row.stream.records
+            out.append(
+                f"GPU {row.stream.gpu} on node {row.node} was LOST: its sampler could not be "
+                "reached at the end of the run (its node removed or dead, or the actor killed); "
                 + (
-                    f"its records stop at step {row.recs[-1]['step']} ({len(row.recs)} of {most} "
+                    f"its records stop at step {recs[-1]['step']} ({len(recs)} of {most} "
                     "steps), kept as drained before."
-                    if row.recs
+                    if recs
                     else "none of its step records had been drained."
                 )
             )
+    return out
 
 
 STATUS = {
@@ -346,15 +425,45 @@ STATUS = {
     "chance to flush (SIGKILL, the OOM killer, a lost node) or is still going; up to the last "
     "2 s of samples and any step not yet joined may be missing.",
     "failed": "Run FAILED: the workload raised; the failed step is marked below.",
+    "incomplete": "Run INCOMPLETE: it ended, but not everything it measured was kept:",
 }
 
 
-def _status_line(meta: dict[str, Any]) -> str:
-    """What the run store says about how the run ended, when it did not simply complete."""
+def status_lines(meta: dict[str, Any]) -> list[str]:
+    """What the run store says about how the run ended, when it did not simply complete, and
+    why a run's record is incomplete (write errors, samplers lost), one line each."""
     status = meta.get("status")
-    if status in (None, "complete"):
+    out = []
+    if status not in (None, "complete"):
+        out.append(STATUS.get(str(status), f"Run status: {status!r}."))
+    problems = [str(p) for p in meta.get("problems") or []]
+    errors = meta.get("write_errors") or {}
+    if errors and not problems:  # a store closed by an older stepmem, or killed mid-way
+        problems.append(
+            "the run store could not write "
+            + ", ".join(f"{n} {k}" for k, n in sorted(errors.items()))
+        )
+    if problems and status != "incomplete":
+        out.append("Not everything this run measured was kept:")
+    out += [f"  - {p}" for p in problems]
+    return out
+
+
+def sampling_line(meta: dict[str, Any]) -> str:
+    """How well the samplers kept their rate, from their final health: achieved against
+    target, deadlines missed. Empty when nothing was recorded."""
+    health = [h for h in meta.get("health") or [] if isinstance(h, dict) and "rate_hz" in h]
+    target = meta.get("rate_hz")
+    if not health:
         return ""
-    return STATUS.get(status, f"Run status: {status!r}.")
+    rates = [float(h.get("rate_hz") or 0) for h in health]
+    missed = sum(int(h.get("missed_deadlines") or 0) for h in health)
+    aim = f" (target {target:g} Hz)" if isinstance(target, int | float) and target else ""
+    span = f"{min(rates):.0f}" + (f"–{max(rates):.0f}" if max(rates) != min(rates) else "")
+    line = f"Sampling: {span} Hz achieved at the end{aim}; {missed:,} sampling deadlines missed"
+    if isinstance(target, int | float) and target and min(rates) < 0.5 * target:
+        line += " — the samplers got too little CPU: short transients may be missed"
+    return line + "."
 
 
 def _lead_up(root: Path, uuid: str, recs: list[dict[str, Any]], step: int, n: int = 10) -> str:
@@ -383,98 +492,3 @@ def _lead_up(root: Path, uuid: str, recs: list[dict[str, Any]], step: int, n: in
         f"NVML used (GiB) in the second before step {step} failed ({len(w)} samples): "
         + ", ".join(parts)
     )
-
-
-METRICS = {
-    "nvml_peak_bytes": "NVML within-step peak",
-    "nvml_end_bytes": "NVML end of step",
-    "torch_allocated_peak_bytes": "torch allocated peak",
-    "torch_reserved_peak_bytes": "torch reserved peak",
-}
-
-
-def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
-    """Markdown comparing NEW with BASE, GPU by GPU (in index order) and step by step; and
-    whether NEW fails: some step's peak above BASE's by more than ``tolerance``, a GPU count
-    that differs (every GPU is compared or the comparison fails), or steps of NEW without NVML
-    samples (their peaks cannot be checked)."""
-    lines = [f"## stepmem compare: `{new.name}` against `{base.name}`", ""]
-    regressed = False
-    problems: list[str] = []
-    if len(base.gpus) != len(new.gpus):
-        problems.append(
-            f"GPU counts differ: BASE has {len(base.gpus)}, NEW has {len(new.gpus)}; only runs "
-            "of the same shape compare GPU by GPU"
-        )
-        lines += [f"**GPU counts differ** ({len(base.gpus)} vs {len(new.gpus)}).", ""]
-    for i, (bu, nu) in enumerate(zip(base.gpus, new.gpus, strict=False)):
-        b = {r["step"]: r for r in base.by_gpu[bu]}
-        n = {r["step"]: r for r in new.by_gpu[nu]}
-        steps = sorted(set(b) & set(n))
-        lines += [
-            f"### GPU {i}",
-            "",
-            "| step | " + " | ".join(METRICS.values()) + " |",
-            "|---:|" + "---:|" * len(METRICS),
-        ]
-        worst: dict[str, float] = {}
-        for s in steps:
-            cells = []
-            for key in METRICS:
-                bv, nv = b[s].get(key), n[s].get(key)
-                if bv is None or nv is None:
-                    cells.append("—" if key.startswith("nvml") else "")
-                    continue
-                if not bv:
-                    cells.append(f"{g(bv)} → {g(nv)}")
-                    continue
-                rel = (nv - bv) / bv
-                worst[key] = max(worst.get(key, -math.inf), rel)
-                flag = " ⚠" if key.endswith("peak_bytes") and rel > tolerance else ""
-                cells.append(f"{g(bv)} → {g(nv)} ({100 * rel:+.1f} %){flag}")
-            lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        lines.append("")
-        for which, recs, run in (("BASE", b, base), ("NEW", n, new)):
-            missing = [s for s in steps if recs[s].get("nvml_peak_bytes") is None]
-            if missing:
-                lines.append(
-                    f"- {which} has no NVML samples in {len(missing)} of {len(steps)} common "
-                    f"steps ({', '.join(map(str, missing))}): left out of the NVML columns."
-                )
-                if which == "NEW":
-                    problems.append(
-                        f"GPU {i}: {len(missing)} of NEW's steps have no NVML samples, so their "
-                        f"peaks cannot be checked (see `stepmem report {run.name}`)"
-                    )
-        if not steps:
-            problems.append(f"GPU {i}: no step in common")
-        for key, label in METRICS.items():
-            if key in worst:
-                more = "more" if worst[key] > 0 else "less or the same"
-                lines.append(
-                    f"- {label}: NEW uses {more} (largest change "
-                    f"{100 * worst[key]:+.1f} % over {len(steps)} common steps)."
-                )
-                if key.endswith("peak_bytes") and worst[key] > tolerance:
-                    regressed = True
-        bm = max(
-            ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in b.values()),
-            default=0,
-        )
-        nm = max(
-            ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in n.values()),
-            default=0,
-        )
-        if bm != nm:
-            lines.append(
-                f"- managed (paged) optimizer state: {g(bm)} → {g(nm)}, outside the "
-                "torch allocator, inside NVML used."
-            )
-        lines.append("")
-    if problems:
-        lines += ["**Cannot compare**:", *(f"- {p}." for p in problems), ""]
-    if regressed:
-        lines.append(f"**Regression**: a within-step peak grew by more than {100 * tolerance:g} %.")
-    elif not problems:
-        lines.append(f"No peak grew by more than {100 * tolerance:g} %.")
-    return "\n".join(lines) + "\n", regressed or bool(problems)

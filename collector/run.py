@@ -11,12 +11,17 @@ store, targets file) is a :class:`RunSession`, whose exit is the one teardown.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shlex
+import shutil
+import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ from collector.errors import StepmemError
 from collector.export.file_sd import TargetsRefresher, write_targets
 from collector.placement import PlacedSampler, launch_samplers, new_run_id
 from collector.probe.core import Outbox
+from collector.probe.outbox import SPOOL_ENV
 from collector.replay import Capture, resolve_capture
 from collector.runners import Runner, runner_for
 from collector.session import RaySession
@@ -65,19 +71,31 @@ class JobResult:
     error: str | None = None  # "Type: message" of the workload's exception
     failure: WorkloadFailed | None = None
     store: Path | None = None
+    run_id: str = ""
+    status: str = "complete"  # complete | failed | interrupted | incomplete
+    problems: list[str] = dataclasses.field(default_factory=list)
+    rate_hz: float = 0.0
+    interrupted: BaseException | None = None  # the Ctrl-C/SIGTERM that ended it, re-raised after
 
-    def document(self) -> dict[str, Any]:
-        """The ``--out`` JSON document."""
-        doc = {
+    def meta(self) -> dict[str, Any]:
+        """What a report of this run reads besides its records (a run store's meta.json)."""
+        doc: dict[str, Any] = {
+            "run_id": self.run_id,
             "banner": self.banner,
-            "records": self.records,
+            "status": self.status,
             "samplers": self.samplers,
             "health": self.health,
-            "workload": self.workload,
+            "rate_hz": self.rate_hz,
         }
+        if self.problems:
+            doc["problems"] = self.problems
         if self.error is not None:
             doc["error"] = self.error
         return doc
+
+    def document(self) -> dict[str, Any]:
+        """The ``--out`` JSON document."""
+        return {**self.meta(), "records": self.records, "workload": self.workload}
 
 
 def nvml_available() -> bool:
@@ -109,7 +127,13 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
             raise StepmemError(f"capture {name!r} holds no step events: nothing to replay")
     caps = ", ".join(Path(c).name.removesuffix(".capture.parquet") for c in opts.captures)
     # Committed captures travel by name: each node's actors resolve them in their own install.
-    spec = BackendSpec("replay", captures=list(opts.captures), gpus=opts.gpus, speed=opts.speed)
+    spec = BackendSpec(
+        "replay",
+        captures=list(opts.captures),
+        gpus=opts.gpus,
+        speed=opts.speed,
+        hold_until_aligned=True,
+    )
     why = opts.backend_reason or ("no GPU here" if opts.backend == "auto" else "asked for")
     return spec, (
         f"stepmem: REPLAY backend ({why}) — playing NVML captures recorded on a real "
@@ -119,23 +143,40 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
 
 
 class _Drainer:
-    """Pulls new samples, step records and probe events into the run store every interval."""
+    """Pulls new samples, step records and the step events each sampler accepted into the run
+    store every interval.
+
+    Every sampler is drained by cursor (the sequence numbers of its ring and of its joined
+    records), so every record is stored once whatever its step number, and nothing drained is
+    kept here: the driver's memory does not grow with the run. A sampler that Ray restarted
+    (a new ``started_ns``) has a new ring and a new record sequence: its cursors start over,
+    the restart is counted and ``on_restart`` is called (a replay re-aligns the new actor). A
+    call that times out (a loaded machine) is counted as slow; a sampler whose actor is gone
+    is named in ``unreachable``.
+    """
 
     def __init__(
         self,
         writer: RunWriter,
         placed: list[PlacedSampler],
-        outbox: Outbox,
         interval_s: float = 2.0,
+        on_restart=None,
     ) -> None:
-        self.writer, self.placed, self.outbox = writer, placed, outbox
+        self.writer, self.placed = writer, placed
         self.interval_s = interval_s
+        self.on_restart = on_restart
         self.cursors = {p.gpu_uuid: 0 for p in placed}
-        self.last_step = {p.gpu_uuid: -1 for p in placed}
+        self.rec_cursors = {p.gpu_uuid: 0 for p in placed}
+        self.ev_cursors = {p.gpu_uuid: 0 for p in placed}
+        self.events_lost = 0
+        self.started = {p.gpu_uuid: p.info.get("started_ns") for p in placed}
         self.samples_lost = 0
-        self.unreachable: set[str] = set()  # the samplers a call failed on (names)
+        self.records_lost = 0  # joined records a sampler no longer kept when asked
+        self.restarts: Counter[str] = Counter()  # sampler name -> restarts seen
+        self.unreachable: set[str] = set()  # the samplers whose actor is gone (names)
         self.calls_failed = 0
-        self.records: dict[str, list[dict[str, Any]]] = {p.gpu_uuid: [] for p in placed}
+        self.calls_slow = 0
+        self.errors: Counter[str] = Counter()  # drain passes that failed, by exception
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stepmem-store", daemon=True)
@@ -144,25 +185,45 @@ class _Drainer:
     def drain(self, flush_steps: bool = False) -> None:
         with self._lock:
             for p in self.placed:
-                uuid = p.gpu_uuid
-                try:
-                    d = ray.get(p.handle.samples_since.remote(self.cursors[uuid]), timeout=30)
-                    recs = ray.get(
-                        p.handle.step_records.remote(self.last_step[uuid], flush_steps), timeout=30
-                    )
-                except Exception as exc:  # a dead sampler leaves a gap; training goes on
-                    self.lost(p.name)
-                    log.warning("run store: sampler %s unreachable: %s", p.name, exc)
-                    continue
-                self.writer.add_samples(uuid, d["t_ns"], d["used"], d["reserved"])
-                self.cursors[uuid] = d["next"]
-                self.samples_lost += d["lost"]
-                self.writer.add_records(recs)
-                self.records[uuid].extend(recs)
-                if recs:
-                    self.last_step[uuid] = max(r["step"] for r in recs)
-            self.writer.add_events(self.outbox.take_events())
+                self._drain_one(p, flush_steps)
             self.writer.flush()
+
+    def _drain_one(self, p: PlacedSampler, flush_steps: bool) -> None:
+        uuid = p.gpu_uuid
+        try:
+            d = ray.get(p.handle.samples_since.remote(self.cursors[uuid]), timeout=30)
+            if d.get("started_ns") != self.started[uuid]:
+                self._restarted(p, d.get("started_ns"))
+                d = ray.get(p.handle.samples_since.remote(0), timeout=30)
+            r = ray.get(
+                p.handle.records_since.remote(self.rec_cursors[uuid], flush_steps), timeout=30
+            )
+            e = ray.get(p.handle.events_since.remote(self.ev_cursors[uuid]), timeout=30)
+        except ray.exceptions.GetTimeoutError:  # alive but slow (a loaded machine): next time
+            self.calls_slow += 1
+            return
+        except Exception as exc:  # a dead sampler leaves a gap; training goes on
+            self.lost(p.name)
+            log.warning("run store: sampler %s unreachable: %s", p.name, _first_line(exc))
+            return
+        self.writer.add_samples(uuid, d["t_ns"], d["used"], d["reserved"])
+        self.cursors[uuid] = d["next"]
+        self.samples_lost += d["lost"]
+        self.writer.add_records(r["records"])
+        self.rec_cursors[uuid] = r["next"]
+        self.records_lost += r["lost"]
+        self.writer.add_events(e["events"])
+        self.ev_cursors[uuid] = e["next"]
+        self.events_lost += e["lost"]
+
+    def _restarted(self, p: PlacedSampler, started_ns: int | None) -> None:
+        """Ray restarted the sampler: a new ring and a new record sequence."""
+        self.started[p.gpu_uuid] = started_ns
+        self.cursors[p.gpu_uuid] = self.rec_cursors[p.gpu_uuid] = self.ev_cursors[p.gpu_uuid] = 0
+        self.restarts[p.name] += 1
+        log.warning("run store: sampler %s was restarted; its steps in flight are lost", p.name)
+        if self.on_restart is not None:
+            self.on_restart(p)
 
     def lost(self, name: str) -> None:
         """A call to sampler ``name`` failed: counted, and the sampler named once."""
@@ -171,25 +232,52 @@ class _Drainer:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.drain()
+            try:
+                self.drain()
+            except Exception as exc:  # never let the store's thread die: count, go on
+                self.errors[type(exc).__name__] += 1
+                log.exception("run store: a drain failed")
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(60)
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> SamplerOptions:
     """The job's sampler settings with its labels filled in. A cluster this job started itself
     is a single machine: /metrics stays on loopback there."""
     s = opts.sampler
+    run_id = s.run_id or new_run_id()
     return dataclasses.replace(
         s,
-        run_id=s.run_id or new_run_id(),
+        run_id=run_id,
+        keep_events=opts.store is not None,
+        spool=str(spool_dir(run_id)),
         workload=s.workload
         or (f"script:{opts.script.stem}" if opts.script is not None else "")
         or (opts.workload if spec.kind == "nvml" else "replay:" + "+".join(opts.captures)),
         metrics_addr=s.metrics_addr or ("127.0.0.1" if local else None),
     )
+
+
+def spool_dir(run_id: str) -> Path:
+    """Where this run's processes without Ray leave their step events on each node (private to
+    the user; the run's samplers there read it)."""
+    return Path(tempfile.gettempdir()) / f"stepmem-{os.getuid()}" / "spool" / run_id
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents under the temp folder) for this user alone; refuse a
+    parent someone else made (events written there could be read or planted)."""
+    top = path.parent.parent  # <tmp>/stepmem-<uid>
+    top.mkdir(mode=0o700, exist_ok=True)
+    if top.stat().st_uid != os.getuid():
+        raise StepmemError(f"{top} belongs to another user; remove it or set TMPDIR")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 class RunSession:
@@ -223,6 +311,8 @@ class RunSession:
         self.error_text: str | None = None
         self.records: list[dict[str, Any]] = []
         self.health: list[dict[str, Any]] = []
+        self.problems: list[str] = []  # why the run is not completely recorded
+        self.status = "running"
         self._history_set = False  # this run set STEPMEM_HISTORY_DIR (and unsets it at the end)
 
     def __enter__(self) -> RunSession:
@@ -238,13 +328,25 @@ class RunSession:
             )
         self.runner = runner_for(opts, self.spec, placed, self.options.run_id)
         self.outbox = self.runner.outbox(placed)
+        _private_dir(Path(self.options.spool))
+        os.environ[SPOOL_ENV] = self.options.spool  # this run's processes without Ray
         if opts.store is not None:
             meta = _meta(opts, self.options, self.banner, placed)
             self.writer = RunWriter(opts.store / self.options.run_id, meta)
-            self.drainer = _Drainer(self.writer, placed, self.outbox)
+            self.drainer = _Drainer(self.writer, placed, on_restart=self._restarted)
             echo(f"run store: {self.writer.root.resolve()}")
             self._history_env()
         return self
+
+    def _restarted(self, p: PlacedSampler) -> None:
+        """Ray restarted sampler ``p``: a replay plays on from the run's alignment (the new
+        actor holds its reads until then)."""
+        origin = getattr(self.runner, "origin_ns", None)
+        if origin is not None:
+            try:
+                ray.get(p.handle.replay_from.remote(origin, loop=False), timeout=30)
+            except Exception as exc:
+                log.warning("sampler %s could not be re-aligned: %s", p.name, _first_line(exc))
 
     def _history_env(self) -> None:
         """A live run's probe (built-in workload or a script's own) records allocation history
@@ -270,7 +372,10 @@ class RunSession:
         """The workload died (e.g. a CUDA OOM): keep everything, report it, fail the job after."""
         self.error = exc
         self.error_text = f"{type(exc).__name__}: {exc}"[:2000]
-        self.echo(f"workload {self.opts.workload} failed: {type(exc).__name__}")
+        what = (
+            f"script {self.opts.script}" if self.opts.script else f"workload {self.opts.workload}"
+        )
+        self.echo(f"{what} failed: {type(exc).__name__}")
 
     def __exit__(self, exc_type: type | None, exc: object, tb: object) -> None:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
@@ -281,22 +386,47 @@ class RunSession:
             status = "complete"
         if self.outbox is not None:
             self.outbox.close()
-        time.sleep(0.1)
-        self.records, self.health = _final_records(
-            self.placed, self.options.run_id, self.drainer, self.echo
-        )
+        time.sleep(0.1)  # the last batches other processes' probes sent on close
+        if self.drainer is not None:
+            self.drainer.stop()  # the periodic drains end; the last one follows the stop
+        self.health, gone = _stop_samplers(self.placed, self.echo)
+        kept: list[dict[str, Any]] = []
         if self.drainer is not None and self.writer is not None:
-            self.drainer.stop()
+            for name in gone:
+                self.drainer.lost(name)
             self.drainer.drain(flush_steps=True)
+            self.problems = _problems(self.drainer, self.writer, len(self.placed))
+            if self.problems and status == "complete":
+                status = "incomplete"
             self.writer.close(
                 status,
                 health=self.health,
                 samples_lost=self.drainer.samples_lost,
+                records_lost=self.drainer.records_lost,
                 samplers_unreachable=len(self.drainer.unreachable),
                 sampler_calls_failed=self.drainer.calls_failed,
+                sampler_calls_slow=self.drainer.calls_slow,
+                sampler_restarts=dict(self.drainer.restarts),
+                problems=self.problems,
                 workload_summary=self.summary,
                 error=self.error_text,
             )
+            kept = _stored_records(self.writer.root)
+        elif gone:
+            self.problems = [
+                f"{len(gone)} of {len(self.placed)} samplers could not be reached at the end "
+                f"({', '.join(sorted(gone))}): with no run store, their steps are lost"
+            ]
+            status = "incomplete" if status == "complete" else status
+        if self.writer is None or self.writer.write_errors:
+            # no store, or one that could not keep everything: what the samplers still hold
+            kept += _kept_records(self.placed, gone)
+        self.records = _unique(kept)
+        for p in self.placed:  # the run's own samplers go with it (a long-lived driver too)
+            if p.name not in gone:
+                with contextlib.suppress(Exception):
+                    ray.kill(p.handle, no_restart=True)
+        self.status = status
         if self.refresher is not None:
             self.refresher.stop()
             write_targets(self.opts.targets, [])  # the run is over: no stale targets to alert on
@@ -304,6 +434,107 @@ class RunSession:
 
         if self._history_set:  # ours, not the user's: gone with the run
             os.environ.pop(HISTORY_ENV, None)
+        os.environ.pop(SPOOL_ENV, None)
+        shutil.rmtree(self.options.spool, ignore_errors=True)
+
+
+def remote_write_line(health: list[dict[str, Any]]) -> str:
+    """What remote write delivered, summed over the samplers (empty without remote write):
+    every sample it could not deliver is said, with the last error."""
+    stats = [h["remote_write"] for h in health if isinstance(h.get("remote_write"), dict)]
+    if not stats:
+        return ""
+    sent = sum(int(x.get("sent", 0)) for x in stats)
+    dropped: Counter[str] = Counter()
+    for x in stats:
+        dropped.update(x.get("dropped") or {})
+    pending = sum(int(x.get("pending", 0)) for x in stats)
+    lost = sum(dropped.values()) + pending
+    line = f"remote write: {sent:,} of {sent + lost:,} samples delivered"
+    if lost:
+        line += f"; not delivered: {', '.join(f'{k} {n:,}' for k, n in sorted(dropped.items()))}"
+        if pending:
+            line += f"{', ' if dropped else ''}left unsent {pending:,}"
+        errors = [x.get("last_error") for x in stats if x.get("last_error")]
+        if errors:
+            line += f" (last error: {errors[-1][:160]})"
+    return line
+
+
+def _problems(drainer: _Drainer, writer: RunWriter, samplers: int) -> list[str]:
+    """Why a run that ended is not completely recorded (empty: it is): what the store could
+    not write, samplers lost or restarted, records no longer kept when drained."""
+    out = []
+    if writer.write_errors:
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(writer.write_errors.items()))
+        out.append(f"the run store could not write {parts} ({writer.first_error})")
+    if drainer.unreachable:
+        out.append(
+            f"{len(drainer.unreachable)} of {samplers} samplers could not be reached "
+            f"({', '.join(sorted(drainer.unreachable))}): their steps stop where the last "
+            "drain found them"
+        )
+    if drainer.restarts:
+        out.append(
+            f"{sum(drainer.restarts.values())} sampler restart(s) ({', '.join(drainer.restarts)}):"
+            " the steps in flight then were lost, those around it are flagged sampler_started"
+        )
+    if drainer.records_lost:
+        out.append(f"{drainer.records_lost} step records were no longer kept when drained")
+    if drainer.samples_lost:
+        out.append(f"{drainer.samples_lost} NVML samples were overwritten before being stored")
+    if drainer.errors:
+        out.append(f"store drains failed: {dict(drainer.errors)}")
+    return out
+
+
+def _stop_samplers(placed: list[PlacedSampler], echo) -> tuple[list[dict[str, Any]], set[str]]:
+    """Stop every sampler of the run (sampling, pending joins, remote write flushed): each
+    sampler is this run's own (:mod:`collector.placement`). Returns their final health and the
+    names of those that could not be reached (killed, their node gone): never the job's end."""
+    health: list[dict[str, Any]] = []
+    gone: set[str] = set()
+    for p in placed:
+        try:
+            health.append(ray.get(p.handle.stop.remote(), timeout=60))
+        except Exception as exc:
+            echo(
+                f"warning: sampler {p.name} unreachable at the end of the run ({_first_line(exc)})"
+            )
+            health.append({"alive": False, "unreachable": True, "error": type(exc).__name__})
+            gone.add(p.name)
+    return health, gone
+
+
+def _stored_records(root: Path) -> list[dict[str, Any]]:
+    """Every step record the run store holds (what the report shows: the steps drained
+    before a sampler was lost included)."""
+    from collector.store import RunStore, StoreError
+
+    try:
+        return [r.to_dict() for r in RunStore(root).records()]
+    except (StoreError, OSError) as exc:
+        log.warning("run store %s could not be read back: %s", root, exc)
+        return []
+
+
+def _kept_records(placed: list[PlacedSampler], gone: set[str]) -> list[dict[str, Any]]:
+    """The step records each reachable sampler still keeps (its newest 20,000)."""
+    out: list[dict[str, Any]] = []
+    for p in placed:
+        if p.name in gone:
+            continue
+        try:
+            out.extend(ray.get(p.handle.step_records.remote(), timeout=60))
+        except Exception as exc:
+            log.warning("sampler %s: records not read: %s", p.name, _first_line(exc))
+    return out
+
+
+def _unique(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step (GPU, process, sequence), in GPU then time order."""
+    unique = {(r["gpu_uuid"], r.get("pid", 0), r.get("seq", 0), r["begin_ns"]): r for r in records}
+    return sorted(unique.values(), key=lambda r: (r["gpu_uuid"], r["begin_ns"]))
 
 
 def run_job(opts: JobOptions, echo=print) -> JobResult:
@@ -317,63 +548,82 @@ def run_job(opts: JobOptions, echo=print) -> JobResult:
             "recorded steps"
         )
     echo(banner)
-    with RaySession(opts.ray_address, echo) as ray_session:
-        options = _sampler_options(opts, spec, ray_session.local)
-        with RunSession(opts, spec, banner, options, echo) as run:
-            run.run()
-    from collector.report import Run, render_report
+    run: RunSession | None = None
+    interrupted: BaseException | None = None
+    try:
+        with RaySession(opts.ray_address, echo) as ray_session:
+            options = _sampler_options(opts, spec, ray_session.local)
+            with RunSession(opts, spec, banner, options, echo) as run:
+                run.run()
+    except KeyboardInterrupt as exc:  # stopped: the teardown ran; keep and show what was done
+        if run is None or run.status == "running":
+            raise
+        interrupted = exc
+    from collector.report import render_report
+    from collector.runs import Run
 
-    samplers = [p.info for p in run.placed]
-    text, _ = render_report(
-        Run(options.run_id, {"banner": banner, "samplers": samplers}, run.records)
-    )
-    echo(text.rstrip())
-    if run.writer is not None:
-        where = shlex.quote(str(run.writer.root.resolve()))
-        echo(f"again, or with --png/--html: stepmem report {where}")
     failure = None
+    failed = [r for r in run.records if r.get("error") and r["error"] != "KeyboardInterrupt"]
     if run.error is not None:
-        failed = [r["step"] for r in run.records if r.get("error")]
-        failure = WorkloadFailed(run.error, min(failed) if failed else None)
-    return JobResult(
+        failure = WorkloadFailed(run.error, min((r["step"] for r in failed), default=None))
+    elif failed and spec.kind == "replay":  # the recorded run failed (an OOM): so does its replay
+        first = min(failed, key=lambda r: r["begin_ns"])
+        failure = WorkloadFailed(RuntimeError(f"{first['error']}, as recorded"), first["step"])
+    result = JobResult(
         banner=banner,
         records=run.records,
-        samplers=samplers,
+        samplers=[p.info for p in run.placed],
         health=run.health,
         workload=run.summary,
         error=run.error_text,
         failure=failure,
         store=run.writer.root if run.writer is not None else None,
+        run_id=options.run_id,
+        status=run.status,
+        problems=run.problems,
+        rate_hz=options.sampling.rate.hz,
+        interrupted=interrupted,
     )
+    name = options.run_id if run.writer is not None else "(not stored: --no-store)"
+    text, _ = render_report(Run(name, result.meta(), run.records))
+    echo(text.rstrip())
+    pushed = remote_write_line(run.health)
+    if pushed:
+        echo(pushed)
+    if run.writer is not None:
+        where = shlex.quote(str(run.writer.root.resolve()))
+        echo(f"again, or with --png/--html: stepmem report {where}")
+    return result
 
 
-def _final_records(
-    placed: list[PlacedSampler], run_id: str, drainer: _Drainer | None, echo
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every GPU's step records, pending steps joined, and each sampler's final health. Samplers
-    this job launched are stopped (sampling, pending joins, remote write flushed); ones it found
-    running (a daemon's) go on. A sampler that cannot be reached (killed, its node gone) costs
-    only its own records: those the run store drained already are kept, and it is named."""
-    records: list[dict[str, Any]] = []
-    health: list[dict[str, Any]] = []
-    for p in placed:
-        try:
-            records.extend(ray.get(p.handle.step_records.remote(flush=True), timeout=60))
-            end = p.handle.stop if p.info.get("run_id") == run_id else p.handle.health
-            health.append(ray.get(end.remote(), timeout=60))
-        except Exception as exc:  # a dead actor, a lost node, a timeout: never the job's end
-            kept = drainer.records.get(p.gpu_uuid, []) if drainer is not None else []
-            echo(
-                f"warning: sampler {p.name} unreachable at the end of the run "
-                f"({type(exc).__name__}); {len(kept)} of its step records were drained before"
-            )
-            records.extend(kept)
-            health.append({"alive": False, "unreachable": True, "error": type(exc).__name__})
-            if drainer is not None:
-                drainer.lost(p.name)
-    # the drained copy and a late flush can both hold a step: keep one per (GPU, step)
-    unique = {(r["gpu_uuid"], r["step"]): r for r in records}
-    return sorted(unique.values(), key=lambda r: (r["gpu_uuid"], r["step"])), health
+_SECRET = re.compile(r"token|key|secret|passw|auth|credential|cookie", re.IGNORECASE)
+
+
+def redact_args(argv: list[str]) -> list[str]:
+    """A command line as the run store keeps it: the value of any flag whose name sounds like a
+    secret (``--api-key X``, ``--token=X``), URLs' user info and query values, replaced by
+    ``<redacted>``; the rest as given."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+            continue
+        if arg.startswith("-") and "=" in arg:
+            flag, value = arg.split("=", 1)
+            out.append(f"{flag}=<redacted>" if _SECRET.search(flag) else f"{flag}={_url(value)}")
+            continue
+        if arg.startswith("-") and _SECRET.search(arg) and not arg.startswith("--no-"):
+            hide_next = True
+        out.append(_url(arg) if "://" in arg else arg)
+    return out
+
+
+def _url(value: str) -> str:
+    from collector.export.remote_write import redact_url
+
+    return redact_url(value) if "://" in value else value
 
 
 def _meta(
@@ -392,14 +642,14 @@ def _meta(
         "run_id": options.run_id,
         "workload": options.workload,
         "banner": banner,
-        "command": sys.argv,
+        "command": redact_args(sys.argv),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backend": placed[0].info["backend"] if placed else None,
         "rate_hz": options.sampling.rate.hz,
         "window_s": options.sampling.window_s,
         "job": {
             "workload": opts.workload,
-            "workload_args": opts.workload_args,
+            "workload_args": redact_args(opts.workload_args),
             "captures": opts.captures,
             "gpus": opts.gpus,
             "speed": opts.speed,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import itertools
 import logging
 import threading
 import time
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 
 FIRST_PHASE = "forward_backward"
 RECORDS_KEPT = 20_000
+MAX_OPEN = 4096  # processes with a step open at once on one GPU
+MAX_PHASES = 256  # phase marks kept per step
+MAX_FUTURE_NS = 3600 * 1_000_000_000  # an event stamped further ahead than this is refused
+UNDERSAMPLED_SHARE = 0.5  # a step with fewer samples than this share of its rate's is flagged
+UNDERSAMPLED_MIN = 4  # … when its rate promised at least this many
 _NS = 1_000_000_000
 MAX_SLEEP_NS = 50_000_000
 
@@ -275,14 +281,26 @@ class Sampler:
             )
 
     def _run(self) -> None:
-        read, append, clock = self.device.read, self.ring.append, self._clock
+        append, clock = self.ring.append, self._clock
+        read_at = getattr(self.device, "read_at", None)
+        if read_at is None:  # live NVML: stamped when the reading arrived
+
+            def sample() -> None:
+                used, reserved = self.device.read()
+                append(clock(), used, reserved)
+        else:  # a replay shows the value of the very moment it is stamped with
+
+            def sample() -> None:
+                t = clock()
+                used, reserved = read_at(t)
+                append(t, used, reserved)
+
         period = self.period_ns
         sleep, max_sleep = time.sleep, MAX_SLEEP_NS
         deadline = clock()
         while self._running:
             try:
-                used, reserved = read()
-                append(clock(), used, reserved)
+                sample()
             except NvmlGpuLost as err:
                 self._record_error(err)
                 self.stopped_by = err.kind
@@ -346,24 +364,38 @@ def _reading_at_mark(ring: RingBuffer, t_ns: int, window_ns: int) -> tuple[int, 
 class StepJoiner:
     """Pairs step events into windows and joins them with a sampler's ring into StepRecords.
 
+    A step is keyed by (pid, seq): the training process and the probe's own sequence number, so
+    steps whose caller numbers repeat (a new epoch) and steps of several processes sharing the
+    GPU (ranks) never merge. Events written before ``seq`` existed (``seq`` 0) are numbered here
+    in the order their steps begin.
+
     A step is joined once the sampler has a sample at or after its end (so the window is
     complete); until then it waits in ``pending``. Events that cannot be paired (an ``end``
-    without a ``begin``) are counted in ``rejected``.
+    without a ``begin``) are counted in ``rejected``. What the joiner holds is bounded: a
+    process has at most one open step (a new ``begin`` abandons the one before, counted as
+    ``unended``), at most :data:`MAX_OPEN` processes have one (the oldest is dropped,
+    ``open_dropped``), a step keeps at most :data:`MAX_PHASES` phase marks
+    (``phases_dropped``), and an event stamped more than :data:`MAX_FUTURE_NS` ahead of this
+    node's clock is refused (``future_timestamp``: it would wait for a sample for ever).
     """
 
     def __init__(
         self,
         sampler: Sampler,
         processes: Callable[[StepRecord], dict[str, Any] | None] | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.sampler = sampler
         # per-process readings for the records of one poll (the join thread, never the sampler's)
         self._processes = processes
+        self._clock = clock
         # The newest RECORDS_KEPT records (≈ 1.5 kB each); the run store drains them long before.
         self.records: deque[StepRecord] = deque(maxlen=RECORDS_KEPT)
-        self.joined = 0
+        self.joined = 0  # records ever joined: record i (0-based) is the i-th joined
         self.rejected: Counter[str] = Counter()
-        self._open: dict[int, tuple[StepEvent, list[StepEvent]]] = {}
+        # pid -> (seq, begin, phase marks) of the step it has open
+        self._open: dict[int, tuple[int, StepEvent, list[StepEvent]]] = {}
+        self._legacy_seq: Counter[int] = Counter()  # steps numbered here for seq-less events
         self._pending: list[tuple[StepEvent, StepEvent, list[StepEvent]]] = []
         self._lock = threading.Lock()  # events in, pending out
         # One poll at a time, and ``records`` read under it: the join thread polls while Ray
@@ -371,27 +403,59 @@ class StepJoiner:
         self._records_lock = threading.Lock()
 
     def add(self, ev: StepEvent) -> None:
+        if ev.t_ns > self._clock() + MAX_FUTURE_NS:
+            self.rejected["future_timestamp"] += 1
+            return
         with self._lock:
             if ev.kind == "begin":
-                self._open[ev.step] = (ev, [])
-            elif ev.kind == "phase":
-                if ev.step not in self._open:
-                    self.rejected["phase_without_begin"] += 1
-                    return
-                self._open[ev.step][1].append(ev)
-            else:
-                opened = self._open.pop(ev.step, None)
-                if opened is None:
-                    self.rejected["end_without_begin"] += 1
-                    return
-                if ev.t_ns < opened[0].t_ns:
-                    self.rejected["end_before_begin"] += 1
-                    return
-                self._pending.append((opened[0], ev, opened[1]))
+                self._begin(ev)
+                return
+            opened = self._open.get(ev.pid)
+            if opened is None or not self._same_step(opened, ev):
+                self.rejected[f"{ev.kind}_without_begin"] += 1
+                return
+            if ev.kind == "phase":
+                if len(opened[2]) >= MAX_PHASES:
+                    self.rejected["phases_dropped"] += 1
+                else:
+                    opened[2].append(ev)
+                return
+            del self._open[ev.pid]
+            if ev.t_ns < opened[1].t_ns:
+                self.rejected["end_before_begin"] += 1
+                return
+            self._pending.append((opened[1], ev, opened[2]))
+
+    def _begin(self, ev: StepEvent) -> None:
+        if not ev.seq:  # written before seq existed: number it in begin order
+            self._legacy_seq[ev.pid] += 1
+            ev.seq = self._legacy_seq[ev.pid]
+        if ev.pid in self._open:
+            self.rejected["unended"] += 1
+        elif len(self._open) >= MAX_OPEN:
+            oldest = min(self._open, key=lambda pid: self._open[pid][1].t_ns)
+            del self._open[oldest]
+            self.rejected["open_dropped"] += 1
+        self._open[ev.pid] = (ev.seq, ev, [])
+
+    @staticmethod
+    def _same_step(opened: tuple[int, StepEvent, list[StepEvent]], ev: StepEvent) -> bool:
+        """Whether ``ev`` (a phase or end) belongs to the open step: same seq, or for a
+        seq-less event the same caller step number."""
+        if ev.seq:
+            return ev.seq == opened[0]
+        if ev.step == opened[1].step:
+            ev.seq = opened[0]
+            return True
+        return False
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def open_steps(self) -> int:
+        return len(self._open)
 
     def poll(self, force: bool = False) -> list[StepRecord]:
         """Join every pending step whose window the sampler has covered; ``force`` joins all."""
@@ -411,30 +475,53 @@ class StepJoiner:
             self.joined += len(out)
         return out
 
-    def records_since(self, step: int) -> list[StepRecord]:
-        """A copy of the kept records with ``step > step`` (safe while the join thread polls)."""
+    def records_since(self, cursor: int) -> tuple[list[StepRecord], int, int]:
+        """The records joined from the ``cursor``-th on (0: the first ever), the cursor to pass
+        next, and how many of those asked for are no longer kept (the oldest beyond
+        :data:`RECORDS_KEPT`). Safe while the join thread polls."""
         with self._records_lock:
-            return [r for r in self.records if r.step > step]
+            first = self.joined - len(self.records)  # the index of the oldest one kept
+            start = max(cursor, first)
+            recs = list(itertools.islice(self.records, start - first, None))
+            return recs, self.joined, max(0, first - cursor)
 
     def newest(self) -> StepRecord | None:
         with self._records_lock:
             return self.records[-1] if self.records else None
 
+    def _gap(self, begin: StepEvent, end: StepEvent, w: SampleWindow) -> str:
+        """Why this step's window may not show everything (see :class:`StepRecord`): one
+        reason, or two ("undersampled stale_end")."""
+        ring, sampler = self.sampler.ring, self.sampler
+        oldest = ring.oldest_t_ns()
+        if len(w) == 0:
+            return "no_samples"
+        flags = []
+        if sampler.started_ns > begin.t_ns:
+            flags.append("sampler_started")
+        elif ring.count > ring.capacity and oldest is not None and oldest > begin.t_ns:
+            flags.append("overrun")
+        else:
+            edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
+            if int(np.diff(edges).max()) > sampler.gap_threshold_ns:
+                flags.append("stall")
+        period = sampler.period_ns
+        expected = (end.t_ns - begin.t_ns) / period if period else 0
+        if expected >= UNDERSAMPLED_MIN and len(w) < UNDERSAMPLED_SHARE * expected:
+            flags.append("undersampled")  # a starved sampler: a short transient may be missed
+        before = ring.value_at(end.t_ns)
+        after = ring.value_after(end.t_ns)
+        window = sampler.mark_window_ns
+        if (before is None or end.t_ns - before[0] > window) and (
+            after is None or after[0] - end.t_ns > window
+        ):
+            flags.append("stale_end")  # no sample near the end mark: its reading is older
+        return " ".join(flags)
+
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:
         ring, sampler = self.sampler.ring, self.sampler
         w = ring.window(begin.t_ns, end.t_ns)
-        oldest = ring.oldest_t_ns()
-        gap = ""
-        if len(w) == 0:
-            gap = "no_samples"
-        elif sampler.started_ns > begin.t_ns:
-            gap = "sampler_started"
-        elif ring.count > ring.capacity and oldest is not None and oldest > begin.t_ns:
-            gap = "overrun"
-        else:
-            edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
-            if len(edges) > 1 and int(np.diff(edges).max()) > sampler.gap_threshold_ns:
-                gap = "stall"
+        gap = self._gap(begin, end, w)
         at_end = _reading_at_mark(ring, end.t_ns, sampler.mark_window_ns)
         at_begin = _reading_at_mark(ring, begin.t_ns, sampler.mark_window_ns)
         # A step without samples has no NVML figures (None, never 0 bytes), its end reading
@@ -465,6 +552,10 @@ class StepJoiner:
             phases=self._phases(begin, end, phases),
             ledger=dict(end.ledger),
             error=_error_of(end),
+            seq=begin.seq,
+            pid=begin.pid or int(begin.torch.get("process_pid", 0)),
+            rank=begin.rank,
+            world_size=begin.world_size,
         )
 
     def _phases(self, begin: StepEvent, end: StepEvent, marks: list[StepEvent]) -> list[dict]:

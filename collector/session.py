@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from collector.errors import StepmemError
+
 __all__ = [
     "RaySession",
     "connect_ray",
@@ -84,13 +86,54 @@ def is_loopback_address(address: str | None) -> bool:
         return False
 
 
+def _ray_error(exc: BaseException, address: str | None) -> StepmemError:
+    """A Ray start or connection failure as the one line a user can act on."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    where = f"the Ray cluster at {address}" if address else "Ray"
+    chain, e = [], exc
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    auth = any(
+        isinstance(e, ray.exceptions.AuthenticationError) or "authtoken" in str(e).lower()
+        for e in chain
+    )
+    if auth:
+        return StepmemError(
+            f"{where} wants an auth token: set RAY_AUTH_MODE=token (Ray then finds the token in "
+            "~/.ray/auth_token, or set RAY_AUTH_TOKEN; `ray get-auth-token` on the head prints "
+            "it)"
+        )
+    if "Invalid address" in first:
+        return StepmemError(f"{where}: not a Ray address ({first}); give host:port")
+    if "timed out during startup" in first:
+        return StepmemError(
+            "Ray could not start on this machine (its node timed out during startup: a full "
+            "disk or /tmp, or an overloaded machine); see Ray's logs in "
+            "/tmp/ray/session_latest/logs"
+        )
+    return StepmemError(f"cannot connect to {where}: {first}")
+
+
+def _init(address: str | None, **kwargs: Any) -> None:
+    try:
+        ray.init(address=address, **kwargs)
+    except (ConnectionError, ValueError, ray.exceptions.RayError, TimeoutError) as exc:
+        raise _ray_error(exc, None if address == "local" else address) from None
+    except Exception as exc:  # Ray raises plain Exception for a node that never came up
+        if "timed out during startup" in str(exc):
+            raise _ray_error(exc, None) from None
+        raise
+
+
 def connect_ray(address: str | None) -> None:
     """Connect to an existing cluster at ``address`` (else ``RAY_ADDRESS``), keeping a loopback
     address as given: Ray would otherwise swap 127.0.0.1 for the machine's outward address and
-    wait for a node there that never answers."""
+    wait for a node there that never answers. A cluster that cannot be reached, an address that
+    is not one, a token the cluster wants: one line (:class:`StepmemError`)."""
     if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
         loopback_only_ray()
-    ray.init(address=address, namespace="stepmem")
+    _init(address or os.environ.get("RAY_ADDRESS"), namespace="stepmem")
 
 
 def _init_ray(address: str | None) -> bool:
@@ -113,10 +156,10 @@ def start_local_ray(**options: Any) -> None:
 
     loopback_only_ray()
     reaper.guard()
-    ray.init(
+    _init(
         # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
         # (a `ray start` head that may be long gone)
-        address="local",
+        "local",
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         namespace="stepmem",

@@ -21,6 +21,8 @@ __all__ = [
 
 _NS = 1_000_000_000
 MAX_HZ = 1_000_000.0  # above this a rate is a typo; "max" samples back to back
+MIN_HZ = 0.1  # below this a rate is a typo (and its period would not fit the clock)
+MAX_WINDOW_S = 86_400.0  # the window gauges' trailing window, at most a day
 MAX_RATE_GUESS_HZ = 150_000.0  # what "max" reaches at best on an H200 (for sizing buffers)
 DEFAULT_CAPACITY = 1 << 20  # ring samples: 24 MiB, 17.5 minutes at 1 kHz
 DEFAULT_WINDOW_S = 15.0  # the window max/min gauges' trailing window
@@ -35,8 +37,8 @@ class Rate:
 
     def __post_init__(self) -> None:
         hz = self.hz
-        if not isinstance(hz, int | float) or hz != hz or hz < 0 or hz > MAX_HZ:
-            raise ValueError(f"rate must be 0 (max) or in (0, {MAX_HZ:g}] Hz, got {hz!r}")
+        if not isinstance(hz, int | float) or hz != hz or hz > MAX_HZ or (hz != 0 and hz < MIN_HZ):
+            raise ValueError(f"rate must be 0 (max) or in [{MIN_HZ:g}, {MAX_HZ:g}] Hz, got {hz!r}")
         object.__setattr__(self, "hz", float(hz))
 
     @classmethod
@@ -54,6 +56,11 @@ class Rate:
                 raise ValueError(f"rate {value!r} is neither a number of Hz nor 'max'") from None
         if not value > 0 or value != value or value == float("inf"):
             raise ValueError(f"rate must be > 0 Hz (or 'max'), got {value}")
+        if value < MIN_HZ:
+            raise ValueError(
+                f"rate {value:g} Hz is below {MIN_HZ:g} Hz (a sample every "
+                f"{1 / MIN_HZ:g} s); within-step peaks need far more"
+            )
         if value > MAX_HZ:
             raise ValueError(f"rate {value:g} Hz is above 1 MHz; use 'max' to sample back to back")
         return cls(float(value))
@@ -98,8 +105,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rate", Rate.of(self.rate))
-        if not self.window_s > 0:
-            raise ValueError(f"window must be > 0 s, got {self.window_s}")
+        if not 0 < self.window_s <= MAX_WINDOW_S:
+            raise ValueError(f"window must be in (0, {MAX_WINDOW_S:g}] s, got {self.window_s}")
         if self.capacity < 2:
             raise ValueError(f"ring capacity must be >= 2, got {self.capacity}")
 
@@ -128,6 +135,9 @@ class SamplerOptions:
     remote_write: Any = None
     push_samples: bool = False
     ray_metrics: bool = False
+    targets: str = ""  # the file_sd file that lists this sampler (daemon: emptied by --stop)
+    keep_events: bool = False  # keep accepted events for a run store's drain (a run's samplers)
+    spool: str = ""  # where probes without Ray leave their events (see collector.probe.outbox)
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:

@@ -18,8 +18,16 @@ samples, nvml_peak_bytes``…), every ``torch_end.<key>``, ``torch_begin.<key>``
 Written incrementally: each flush writes new part files, each one to a temporary name renamed
 into place, so a crash loses at most what arrived since the last flush and never leaves a torn
 file; ``meta.json`` is rewritten the same way. A run killed mid-way reads like any other, with
-``status`` still ``running``. Write failures (disk full, read-only) are counted in
-``write_errors`` and logged once; they never reach the training loop.
+``status`` still ``running``. Write failures (disk full, read-only, a value a column cannot
+hold) are counted in ``write_errors`` and logged once; they never reach the training loop. The
+writer sets aside ``RESERVE_BYTES`` at the start (``.reserve``) and frees it just before the
+final ``meta.json``, so a full disk still gets the run's status and its write errors written:
+``complete``, ``failed``, ``interrupted``, or ``incomplete`` (the run ended but its record
+did not: ``problems`` says why). The store is private to its owner (folders 0700, files 0600):
+it holds command lines and the names of the GPU's processes.
+
+Stores written before ``seq`` existed (their steps numbered by the caller only) read back with
+``seq`` given in time order per GPU and process.
 """
 
 from __future__ import annotations
@@ -46,22 +54,41 @@ __all__ = ["STEP_COLUMNS", "RunStore", "RunWriter", "StoreError", "flatten_recor
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+RESERVE_BYTES = 256 << 10  # room kept free for the final meta.json on a disk that fills up
 
 
 class StoreError(StepmemError, ValueError):
     """A path that is not a readable run directory."""
 
 
+def _replace(tmp: Path, path: Path) -> None:
+    """Make ``tmp`` private and move it over ``path``; remove it if that fails."""
+    try:
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never a torn temporary left behind
+        raise
+    _replace(tmp, path)
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _replace(tmp, path)
 
 
 # How each StepRecord field is stored: the dicts of numbers as one column per key
@@ -90,7 +117,7 @@ def unflatten_record(row: dict[str, Any]) -> dict[str, Any]:
     column other rows have) is left out."""
     rec: dict[str, Any] = {name: {} for name in _FLAT_DICTS}
     for k, v in row.items():
-        if isinstance(v, float) and math.isnan(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
             continue
         name, dot, key = k.partition(".")
         if dot and name in _FLAT_DICTS:
@@ -104,6 +131,13 @@ def unflatten_record(row: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
+def _safe_name(uuid: str) -> str:
+    """A GPU UUID as a folder name (UUIDs come from events: never a path)."""
+    if not uuid or uuid in (".", "..") or "/" in uuid or "\\" in uuid or "\0" in uuid:
+        raise ValueError(f"GPU UUID {uuid!r} cannot name a folder")
+    return uuid
+
+
 class RunWriter:
     """Appends a run's samples, step records and events to a run directory."""
 
@@ -111,6 +145,7 @@ class RunWriter:
         self.root = Path(root)
         self.meta = {"format": FORMAT, "status": "running", **meta}
         self.write_errors: Counter[str] = Counter()
+        self.first_error = ""  # the first write failure, in words
         self.rows_written: Counter[str] = Counter()
         self._samples: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         self._steps: list[dict[str, Any]] = []
@@ -121,12 +156,18 @@ class RunWriter:
         if (self.root / "meta.json").exists():
             raise StoreError(f"{self.root} already holds a run; a run never overwrites another")
         try:
-            (self.root / "samples").mkdir(parents=True, exist_ok=True)
-            (self.root / "steps").mkdir(exist_ok=True)
-            (self.root / "events").mkdir(exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, exist_ok=True)
+            for part in ("samples", "steps", "events"):
+                (self.root / part).mkdir(mode=0o700, exist_ok=True)
+            _atomic_write_bytes(self.root / ".reserve", bytes(RESERVE_BYTES))
+            _atomic_write_bytes(
+                self.root / "meta.json", json.dumps(self.meta, indent=1, default=str).encode()
+            )
         except OSError as exc:
-            raise StoreError(f"cannot create the run store at {self.root}: {exc}") from None
-        self._write_meta()
+            raise StoreError(
+                f"cannot create the run store at {self.root}: {exc.strerror or exc}"
+            ) from None
 
     def add_samples(self, gpu_uuid: str, t_ns: Any, used: Any, reserved: Any) -> None:
         if len(t_ns):
@@ -158,8 +199,10 @@ class RunWriter:
         try:
             fn()
             self.rows_written[what] += n
-        except OSError as exc:
-            self.write_errors[what] += n
+        except Exception as exc:  # a full disk, a value no column can hold: counted, never raised
+            self.write_errors[what] += max(n, 1)
+            if not self.first_error:
+                self.first_error = f"{type(exc).__name__}: {exc}"[:300]
             if not self._warned:
                 self._warned = True
                 log.error(
@@ -176,17 +219,12 @@ class RunWriter:
             events, self._events = self._events, []
         for uuid, chunks in samples.items():
             t, u, r = (np.concatenate([c[i] for c in chunks]) for i in range(3))
-            folder = self.root / "samples" / uuid
-            table = pa.table(
-                {
-                    "t_ns": t.astype(np.int64),
-                    "used": u.astype(np.int64),
-                    "reserved": r.astype(np.int64),
-                }
-            )
 
-            def write(folder=folder, uuid=uuid, table=table) -> None:
-                folder.mkdir(exist_ok=True)
+            def write(uuid=uuid, t=t, u=u, r=r) -> None:
+                folder = self.root / "samples" / _safe_name(uuid)
+                folder.mkdir(mode=0o700, exist_ok=True)
+                cols = {"t_ns": t, "used": u, "reserved": r}
+                table = pa.table({k: v.astype(np.int64) for k, v in cols.items()})
                 _write_table(self._part(folder, uuid), table)
 
             self._guard("samples", len(t), write)
@@ -219,10 +257,26 @@ class RunWriter:
         )
 
     def close(self, status: str = "complete", **fields: Any) -> None:
-        """Flush, then mark the run ``status`` in ``meta.json``."""
+        """Flush, then mark the run ``status`` in ``meta.json`` (written into the room set
+        aside at the start, so a full disk still records how the run ended). A run whose own
+        parts could not all be written is ``incomplete``, whatever ``status`` says."""
         self.flush()
+        if self.write_errors and status == "complete":
+            status = "incomplete"
+        (self.root / ".reserve").unlink(missing_ok=True)
         self.meta.update(fields, status=status)
         self._write_meta()
+
+
+def number_steps(recs: list[StepRecord]) -> list[StepRecord]:
+    """Give records without a ``seq`` (written before it existed) one: 1, 2, … in time order
+    per GPU and process (records are in time order per GPU already)."""
+    seen: Counter[tuple[str, int]] = Counter()
+    for r in recs:
+        if not r.seq:
+            seen[(r.gpu_uuid, r.pid)] += 1
+            r.seq = seen[(r.gpu_uuid, r.pid)]
+    return recs
 
 
 class RunStore:
@@ -256,6 +310,17 @@ class RunStore:
         except (OSError, pa.ArrowException) as exc:
             raise StoreError(f"{folder} holds an unreadable part: {exc}") from None
 
+    def unreadable_parts(self, folder: str = "events") -> list[str]:
+        """Part files of ``folder`` whose Parquet footer cannot be read (a torn copy, a disk
+        error), by name; reading the footer only, so it is quick on a large store."""
+        bad = []
+        for p in sorted((self.root / folder).glob("part-*.parquet")):
+            try:
+                pq.ParquetFile(p).metadata  # noqa: B018 - the read is the check
+            except (OSError, pa.ArrowException):
+                bad.append(f"{folder}/{p.name}")
+        return bad
+
     def gpus(self) -> list[str]:
         folder = self.root / "samples"
         return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
@@ -264,18 +329,22 @@ class RunStore:
         return self._read(self.root / "samples" / gpu_uuid)
 
     def records(self) -> list[StepRecord]:
-        """The run's step records, typed, in (GPU, step) order."""
+        """The run's step records, typed, in (GPU, time) order; a store written before ``seq``
+        existed gets it here (1, 2, … in time order per GPU and process)."""
         df = self.steps()
         if df is None:
             return []
         try:
-            return [StepRecord.from_dict(unflatten_record(r)) for r in df.to_dict("records")]
-        except ValueError as exc:
+            recs = [StepRecord.from_dict(unflatten_record(r)) for r in df.to_dict("records")]
+        except (ValueError, TypeError) as exc:
             raise StoreError(f"{self.root / 'steps'}: {exc}") from None
+        return number_steps(recs)
 
     def steps(self) -> Any:
         df = self._read(self.root / "steps")
-        return None if df is None else df.sort_values(["gpu_uuid", "step"]).reset_index(drop=True)
+        if df is None:
+            return None
+        return df.sort_values(["gpu_uuid", "begin_ns"], kind="stable").reset_index(drop=True)
 
     def events(self) -> Any:
         return self._read(self.root / "events")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.accounting import accounts, changes
-from collector.report import Run
+from collector.runs import Run
 from collector.store import RunStore
 
 __all__ = ["render_html", "render_png"]
@@ -292,10 +292,15 @@ def _scale(ax: Any, p: dict[str, Any], values: list[float], peak: float) -> None
         ax.axhline(p["total"], color="#aa0000", lw=0.6, ls="--", label="capacity")
         y1 = max(y1, p["total"] * 1.03)
     elif p["total"]:
+        share = (
+            f"peak uses {100 * peak / p['total']:.1f} %"
+            if peak
+            else "no NVML samples inside these steps: their peaks are unknown"
+        )
         ax.text(
             0.99,
             0.97,
-            f"capacity {p['total']:.1f} GiB (off scale; peak uses {100 * peak / p['total']:.1f} %)",
+            f"capacity {p['total']:.1f} GiB (off scale; {share})",
             transform=ax.transAxes,
             ha="right",
             va="top",
@@ -338,77 +343,130 @@ def render_png(run: Run, store: RunStore, out: str | Path) -> Path:
 
 
 def render_html(run: Run, store: RunStore, out: str | Path) -> Path:
+    """The same story as :func:`render_png`, interactive: the same window (idle lead-in and
+    tail trimmed), step bands, the within-step peak and the NVML reading at each step end, torch
+    reserved, and the stacks (only the kinds the run has), in the same colours."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = _panels(run, store)
     fig = make_subplots(rows=len(panels), cols=1, subplot_titles=[p["title"] for p in panels])
+    shown: set[str] = set()
+
+    def legend(name: str) -> bool:
+        first = name not in shown
+        shown.add(name)
+        return first
+
     for row, p in enumerate(panels, start=1):
-        legend = row == 1
-        for s in p["steps"]:
+        x0, x1, t, used = _view(p)
+        steps = p["steps"]
+        for k, s in enumerate(steps):
             fig.add_vrect(
                 x0=s["begin"],
                 x1=s["end"],
-                fillcolor="#eeeeee",
-                opacity=0.5,
+                fillcolor="#f4c7c3" if s["error"] else ("#dcdcdc" if k % 2 else "#efefef"),
+                opacity=1.0,
+                layer="below",
                 line_width=0,
+                row=row,
+                col=1,
+            )
+        split = any(s["account"] for s in steps)
+        for kind in ACCOUNT if split else LEDGER:
+            vals = [
+                max(0.0, s["account"].get(kind, 0.0)) if split else s["ledger"][kind] for s in steps
+            ]
+            if not any(vals):
+                continue  # a kind this run does not have is not in the legend
+            name = kind if split else f"ledger: {kind.replace('_', ' ')}"
+            fig.add_trace(
+                go.Scatter(
+                    x=[s["end"] for s in steps],
+                    y=vals,
+                    stackgroup=f"stack{row}",
+                    name=name,
+                    line={"shape": "vh", "width": 0},
+                    fillcolor=COLORS[kind],
+                    opacity=0.3,
+                    showlegend=legend(name),
+                ),
                 row=row,
                 col=1,
             )
         fig.add_trace(
             go.Scattergl(
-                x=p["t"],
-                y=p["used"],
+                x=t,
+                y=used,
                 mode="lines",
-                name="NVML used",
-                line={"color": "black", "width": 1},
-                showlegend=legend,
+                name="NVML used (full rate)",
+                line={"color": "#333333", "width": 1},
+                showlegend=legend("NVML used (full rate)"),
             ),
             row=row,
             col=1,
         )
+        measured = [s for s in steps if s["nvml_peak"] is not None]
         fig.add_trace(
             go.Scatter(
-                x=[s["peak_t"] for s in p["steps"]],
-                y=[s["nvml_peak"] for s in p["steps"]],
+                x=[s["peak_t"] for s in measured],
+                y=[s["nvml_peak"] for s in measured],
                 mode="markers",
                 name="NVML within-step peak",
-                marker={"color": "crimson"},
-                text=[f"step {s['step']}" for s in p["steps"]],
-                showlegend=legend,
+                marker={"color": "crimson", "symbol": "triangle-down", "size": 8},
+                text=[f"step {s['step']}" for s in measured],
+                showlegend=legend("NVML within-step peak"),
             ),
             row=row,
             col=1,
         )
+        ended = [s for s in steps if s["nvml_end"] is not None]
         fig.add_trace(
             go.Scatter(
-                x=[s["end"] for s in p["steps"]],
-                y=[s["reserved_end"] for s in p["steps"]],
+                x=[s["end"] for s in ended],
+                y=[s["nvml_end"] for s in ended],
                 mode="markers",
-                name="torch reserved at end + context",
-                marker={"color": "#1f77b4"},
-                showlegend=legend,
+                name="NVML at step end",
+                marker={"color": "#1f5fbf", "size": 7},
+                text=[f"step {s['step']}" for s in ended],
+                showlegend=legend("NVML at step end"),
             ),
             row=row,
             col=1,
         )
-        for kind in LEDGER:
+        res = [s for s in steps if s["reserved_end"]]
+        if res:
             fig.add_trace(
                 go.Scatter(
-                    x=[s["end"] for s in p["steps"]],
-                    y=[s["ledger"][kind] for s in p["steps"]],
-                    stackgroup=f"ledger{row}",
-                    name=f"ledger: {kind}",
-                    line={"shape": "hv"},
-                    showlegend=legend,
-                    fillcolor=COLORS[kind],
-                    line_color=COLORS[kind],
+                    x=[s["end"] for s in res],
+                    y=[s["reserved_end"] for s in res],
+                    mode="markers",
+                    name="torch reserved at step end + context",
+                    marker={"color": "#e08000", "symbol": "line-ew-open", "size": 14},
+                    showlegend=legend("torch reserved at step end + context"),
                 ),
                 row=row,
                 col=1,
             )
+        if not measured and steps:
+            fig.add_annotation(
+                text="no NVML samples inside these steps: their peaks are unknown",
+                xref=f"x{row if row > 1 else ''} domain",
+                yref=f"y{row if row > 1 else ''} domain",
+                x=0.99,
+                y=0.97,
+                showarrow=False,
+                font={"color": "#aa0000", "size": 11},
+            )
+        fig.update_xaxes(
+            range=[x0, x1], title_text="seconds since the first sample", row=row, col=1
+        )
         fig.update_yaxes(title_text="GiB", row=row, col=1)
-    fig.update_layout(height=420 * len(panels), title=run.meta.get("banner") or run.name)
+    fig.update_layout(
+        height=420 * len(panels),
+        title=run.meta.get("banner") or run.name,
+        plot_bgcolor="white",
+    )
     out = Path(out)
     fig.write_html(out, include_plotlyjs=True, full_html=True)
     return out

@@ -73,7 +73,7 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     assert series["outside_torch"] / GIB == pytest.approx(4.0, abs=0.05)
     assert sum(series.values()) == step3["nvml_end_bytes"]
     # the picture stacks the components and labels the change at its step
-    from collector.report import load_run
+    from collector.runs import load_run
     from collector.store import RunStore
     from collector.timeline import _panels, render_png
 
@@ -130,7 +130,7 @@ def test_a_paged_optimizer_without_watch_is_memory_no_process_is_charged_for(ray
 
 
 def test_without_per_process_readings_nothing_outside_torch_is_named():
-    from collector.report import load_run
+    from collector.runs import load_run
 
     run = load_run(
         Path(__file__).parent.parent / "benchmarks/results/h200-run2/adamw_8bit.records.json"
@@ -248,7 +248,8 @@ def test_sites_are_the_innermost_frame_outside_torch():
 
 
 def test_the_report_lists_allocation_sites_of_a_store_with_history(tmp_path):
-    from collector.report import load_run, render_report
+    from collector.report import render_report
+    from collector.runs import load_run
 
     src = Path(__file__).parent.parent / "benchmarks/results/h200-accounting/runs/paged_nowatch"
     run_dir = tmp_path / "paged_nowatch"

@@ -77,8 +77,8 @@ def _shot(page, tmp_path: Path, name: str) -> Path:
 
 
 def test_the_timeline_and_prometheus_graph_of_a_replayed_run_render(ray_cluster, browser, tmp_path):
-    from collector.report import load_run
     from collector.run import JobOptions, run_job
+    from collector.runs import load_run
     from collector.store import RunStore
     from collector.timeline import render_html
 

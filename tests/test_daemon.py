@@ -47,7 +47,9 @@ def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluste
     assert stopped == 2 and list_samplers() == []
 
 
-def test_a_job_uses_the_daemons_samplers_and_leaves_them_running(ray_cluster, tmp_path):
+def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster, tmp_path):
+    """A run places samplers of its own (its data never mixes with the daemon's or another
+    run's), removes them at its end, and never stops the daemon's."""
     from collector.run import JobOptions, run_job
 
     spec = BackendSpec("replay", captures=["adamw_8bit"], gpus=1)
@@ -69,7 +71,9 @@ def test_a_job_uses_the_daemons_samplers_and_leaves_them_running(ray_cluster, tm
         ).records
         assert [r["step"] for r in records] == [1, 2]
         handle = ray.get_actor(name, namespace="stepmem")
-        assert list_samplers() == [name]
-        assert ray.get(handle.health.remote())["alive"] is True  # still sampling
+        assert list_samplers() == [name]  # the run's own are gone with it
+        health = ray.get(handle.health.remote())
+        assert health["alive"] is True  # still sampling
+        assert health["events_received"] == 0  # the run's steps went to the run's samplers
     finally:
         stop_daemon(echo=lambda *a: None)

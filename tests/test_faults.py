@@ -107,16 +107,21 @@ def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_sampl
     # the new process, and their steps come back flagged). Events sent while it restarted were
     # retried on the new one: every step from the one after the kill on has a record — flagged
     # sampler_started where it began before the new sampler — and the last ones are whole.
-    assert all(recs[s]["gap"] in ("no_samples", "sampler_started") for s in recs if s <= kill_at)
+    def flags(s):
+        return set(recs[s]["gap"].split())
+
+    assert all(flags(s) & {"no_samples", "sampler_started"} for s in recs if s <= kill_at)
     assert set(range(kill_at + 2, 181)) <= set(recs)
-    # ("stall": a loaded CI machine may delay the new sampler thread past 20 ms once)
-    assert all(recs[s]["gap"] in ("", "sampler_started", "no_samples", "stall") for s in recs), {
+    # ("stall", "undersampled", "stale_end": a loaded CI machine may delay the new sampler
+    # thread; each is flagged, never shown as a whole measurement)
+    starved = {"stall", "undersampled", "stale_end"}
+    assert all(flags(s) <= {"sampler_started", "no_samples", *starved} for s in recs), {
         s: (r["gap"], r["samples"]) for s, r in recs.items() if r["gap"]
     }
-    assert any(r["gap"] == "sampler_started" for r in recs.values()) or health[
-        "events_rejected"
-    ].get("end_without_begin", 0)
-    assert all(recs[s]["gap"] in ("", "stall") and recs[s]["samples"] > 0 for s in range(171, 181))
+    assert any("sampler_started" in flags(s) for s in recs) or health["events_rejected"].get(
+        "end_without_begin", 0
+    )
+    assert all(flags(s) <= starved and recs[s]["samples"] > 0 for s in range(171, 181))
     record_fault(
         "sampler actor killed at step 30 of 180",
         "training took every step; Ray restarted the actor; steps around the kill flagged "

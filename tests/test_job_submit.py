@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.report import load_run
+from collector.runs import load_run
 from tests.prom import Prometheus, free_port, require
 
 ROOT = Path(__file__).resolve().parent.parent

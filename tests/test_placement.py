@@ -20,9 +20,10 @@ def test_one_actor_per_simulated_gpu_named_by_uuid_and_launch_is_idempotent(kill
     placed = launch_samplers(spec, loopback())
     kill_samplers.extend(p.handle for p in placed)
     node = ray.get_runtime_context().get_node_id()
+    job = ray.get_runtime_context().get_job_id()
     assert len(placed) == 3 and len({p.gpu_uuid for p in placed}) == 3
-    for p in placed:
-        assert p.name == sampler_name(node, p.gpu_uuid) == f"stepmem:{node}:{p.gpu_uuid}"
+    for p in placed:  # this job's own: another job (another run) places its own
+        assert p.name == sampler_name(job, node, p.gpu_uuid) == f"stepmem:{job}:{node}:{p.gpu_uuid}"
         assert p.info["backend"] == "replay" and p.info["node_id"] == node
     again = launch_samplers(spec, loopback())
     assert {p.name for p in again} == {p.name for p in placed}

@@ -176,7 +176,9 @@ def lightning_fit(callback, batches: int, **trainer_kw) -> None:
 
         def training_step(self, batch, batch_idx):
             (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.log("loss", loss)
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -220,9 +222,9 @@ def test_the_outbox_keeps_a_bounded_number_of_events(monkeypatch):
     box = Outbox(None)
     for i in range(25):
         box.put(StepEvent(kind="begin", step=i, t_ns=1 + i, gpu_uuid="GPU-a"))
-    assert len(box.events) == 10 and box.dropped["events_not_kept"] == 15
-    taken = box.take_events()
-    assert [e["step"] for e in taken] == list(range(15, 25)) and len(box.events) == 0
+    # the training process keeps only the newest few for inspection: the run keeps them all
+    # on the sampler side (events_since), so a long run cannot grow the training process
+    assert [e["step"] for e in box.events] == list(range(15, 25))
 
 
 def test_a_step_that_raises_is_recorded_as_failed_and_the_error_goes_on():

@@ -185,8 +185,11 @@ def test_phases_get_their_own_peaks():
     ("samples", "capacity", "started", "expected"),
     [
         ([(t * MS, 1) for t in range(100)], 1024, 1, ""),
-        ([(t * MS, 1) for t in (*range(20), *range(60, 100))], 1024, 1, "stall"),
-        ([(t * MS, 1) for t in range(100)], 32, 1, "overrun"),
+        # a 40 ms hole in a 50 ms step: a stall, and fewer than half the samples 1 kHz promises
+        ([(t * MS, 1) for t in (*range(20), *range(60, 100))], 1024, 1, "stall undersampled"),
+        ([(t * MS, 1) for t in range(100)], 32, 1, "overrun undersampled"),
+        # the last sample 10 ms before the end mark, none after: the end reading is stale
+        ([(t * MS, 1) for t in range(71)], 1024, 1, "stale_end"),
         ([(t * MS, 1) for t in range(100)], 1024, 35 * MS, "sampler_started"),
         ([(t * MS, 1) for t in (*range(10), *range(90, 100))], 1024, 1, "no_samples"),
     ],
@@ -296,14 +299,14 @@ def test_records_are_read_safely_while_the_join_thread_polls():
     t = threading.Thread(target=produce)
     t.start()
     seen: list[int] = []
-    last = 0
+    cursor = 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         finished = done.is_set()
-        new = [r.step for r in j.records_since(last)]
-        assert new == sorted(new)
+        recs, cursor, lost = j.records_since(cursor)
+        new = [r.step for r in recs]
+        assert new == sorted(new) and lost == 0
         seen += new
-        last = new[-1] if new else last
         if finished:
             break
     t.join()

@@ -29,6 +29,8 @@ def record(step, uuid="GPU-a"):
         "torch_end": {"reserved_bytes.all.current": 40},
         "ledger": {"parameters": 10},
         "phases": [{"phase": "optimizer"}],
+        "seq": step,
+        "pid": 7,
     }
 
 
@@ -61,7 +63,7 @@ def test_round_trip(tmp_path):
     assert steps["torch_end.reserved_bytes.all.current"].tolist() == [40, 40]
     assert steps["ledger.parameters"].tolist() == [10, 10]
     assert s.events()["kind"].tolist() == ["begin"]
-    assert s.meta["rows_written"] == {"samples": 8, "steps": 2, "events": 1, "meta": 0}
+    assert s.meta["rows_written"] == {"samples": 8, "steps": 2, "events": 1}
 
 
 def test_a_directory_that_is_not_a_run_is_named(tmp_path):
@@ -91,12 +93,14 @@ def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path, record_fau
     s = RunStore(tmp_path / "run")
     assert s.meta["status"] == "running"  # never closed
     assert len(s.samples("GPU-a")) == 700 and s.steps()["step"].tolist() == list(range(1, 8))
-    from collector.report import load_run, render_report
+    from collector.report import render_report
+    from collector.runs import load_run
 
     text, _ = render_report(load_run(tmp_path / "run"))  # the report reads it too
     assert "memory per step" in text
     leftovers = [p for p in (tmp_path / "run").rglob("*") if p.name.startswith(".")]
-    assert all(p.suffix == ".tmp" for p in leftovers)  # at worst a temp file, never a torn part
+    # at worst a temp file (and the room set aside for the final meta), never a torn part
+    assert all(p.suffix == ".tmp" or p.name == ".reserve" for p in leftovers)
     record_fault(
         "the process writing a run store killed with SIGKILL after 7 flushes",
         "the store reads back (status running) with everything flushed; `stepmem report` reads it",
@@ -139,6 +143,18 @@ def test_records_read_back_typed(tmp_path):
     back = RunStore(tmp_path / "run").records()
     assert back == written
     assert back[2].nvml_peak_bytes is None and back[2].nvml_end_bytes is None
+
+
+def test_a_store_written_before_seq_existed_numbers_its_steps_in_time_order(tmp_path):
+    """Old stores (no seq, pid columns) still read: their steps get seq 1, 2, … by time, so
+    two epochs' step 1 stay two steps."""
+    old = [{k: v for k, v in record(s).items() if k not in ("seq", "pid")} for s in (1, 2)]
+    old += [{**r, "begin_ns": r["begin_ns"] + 100, "end_ns": r["end_ns"] + 100} for r in old]
+    w = RunWriter(tmp_path / "run", {"run_id": "old"})
+    w.add_records(old)
+    w.close()
+    back = RunStore(tmp_path / "run").records()
+    assert [(r.step, r.seq) for r in back] == [(1, 1), (2, 2), (1, 3), (2, 4)]
 
 
 def _non_default(name, type_text, i):

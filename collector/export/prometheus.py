@@ -2,8 +2,11 @@
 
 :class:`SamplerCollector` reads :class:`Snapshot` objects (one per GPU) when Prometheus scrapes
 and emits every family of :data:`collector.metrics.METRICS` it has data for. A snapshot that
-fails to build is logged and skipped — a collector never breaks a scrape. The HTTP server is
-prometheus-client's: it answers ``GET /metrics`` (and ``HEAD``) only; nothing accepts writes.
+fails to build is logged and skipped — a collector never breaks a scrape. The HTTP server
+serves prometheus-client's WSGI app (``GET /metrics`` and ``HEAD`` only; nothing accepts
+writes) with bounds of its own: at most :data:`MAX_CONNECTIONS` connections at once (one more
+is closed at once and counted) and :data:`IDLE_TIMEOUT_S` for a client to send its request, so
+idle or slow clients cannot pile up threads.
 
 Scrape cost: a handful of dict lookups per GPU plus one window max/min over the ring (at 1 kHz
 and a 15 s window, 15,000 int64s); see ``benchmarks/export_cost.py``.
@@ -12,11 +15,15 @@ and a 15 s window, 15,000 int64s); see ``benchmarks/export_cost.py``.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from collector.export.values import step_values
@@ -32,6 +39,9 @@ from collector.settings import DEFAULT_WINDOW_S
 __all__ = ["SamplerCollector", "Snapshot", "serve"]
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16  # concurrent /metrics connections; Prometheus needs one per scrape
+IDLE_TIMEOUT_S = 5.0  # a connection that sends nothing this long is closed
 
 
 @dataclass
@@ -128,13 +138,56 @@ class SamplerCollector:
         return [f for f in families.values() if f.samples]
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # socket timeout for every read: an idle client is dropped
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` at once: one more is closed
+    straight away (``refused``); each connection times out when idle."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.refused = 0
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def serve(collector: SamplerCollector, addr: str, port: int = 0) -> tuple[Any, int]:
-    """Serve ``collector`` on ``http://addr:port/metrics`` (port 0: the OS picks one).
+    """Serve ``collector`` on ``http://addr:port/metrics`` (port 0: the OS picks one), on a
+    :class:`BoundedServer` in a daemon thread.
 
     Returns the server and the port it bound. ``addr`` is the node's own address by default at
     the call sites; pass ``0.0.0.0`` only when all interfaces are really wanted.
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    server_cls = type("Server", (BoundedServer,), {"address_family": family[0][0]})
+    server = make_server(
+        family[0][4][0], port, make_wsgi_app(registry), server_cls, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="stepmem-metrics", daemon=True).start()
     return server, server.server_port

@@ -20,13 +20,18 @@ Within a series timestamps must increase: a step ending in the same millisecond 
 one is moved 1 ms later (counted as ``shifted``).
 
 Credentials come from a file or an environment variable named in the config, are read when the
-writer starts, and never appear in logs, metrics, ``repr`` or the run store.
+writer starts, and never appear in logs, metrics, ``repr`` or the run store. A URL that carries
+credentials itself (``http://user:pass@host/``) is refused: they would be stored with the run's
+command line. Redirects are never followed: a 3xx answer is an error (counted as
+``redirected``, not retried), so neither the samples nor the ``Authorization`` header go to
+another host, and nothing is counted as sent that was not accepted.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import math
 import os
 import ssl
 import struct
@@ -72,13 +77,37 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value).timestamp()
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):
             return None
         wait = when - (time.time() if now is None else now)
+    if not math.isfinite(wait):  # "nan", "inf": unreadable, like a missing header
+        return None
     return min(max(wait, 0.0), RETRY_AFTER_MAX_S)
 
 
-__all__ = ["RemoteWriteConfig", "RemoteWriter", "encode_write_request"]
+__all__ = ["RemoteWriteConfig", "RemoteWriter", "encode_write_request", "redact_url"]
+
+
+def redact_url(url: str) -> str:
+    """``url`` with what may be a secret left out: user info and query values
+    (``http://127.0.0.1:9090/api/v1/write?api_key=<redacted>``)."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unreadable URL>"
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = urlencode([(k, "<redacted>") for k, _ in parse_qsl(parts.query, True)], safe="<>")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Never follow a redirect: the 3xx comes back as an HTTPError."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +137,27 @@ class RemoteWriteConfig:
     job: str = PUSH_JOB
 
     def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
         if not self.url.startswith(("http://", "https://")):
-            raise InputError(f"remote-write URL must be http:// or https://, got {self.url!r}")
+            raise InputError(
+                f"remote-write URL must be http:// or https://, got {redact_url(self.url)!r}"
+            )
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise InputError(
+                f"remote-write URL {redact_url(self.url)!r} is not a URL ({exc})"
+            ) from None
+        if parts.username is not None or parts.password is not None:
+            raise InputError(
+                "remote-write URL holds credentials (user:password@); give them with "
+                "--remote-write-basic-user and --remote-write-basic-password-env (or -file), "
+                "which are never stored"
+            )
+        if not parts.hostname:
+            raise InputError(f"remote-write URL {redact_url(self.url)!r} names no host")
         if self.buffer_max < 1 or self.batch_max < 1:
             raise InputError("remote-write buffer and batch sizes must be >= 1")
         if (self.bearer_token_file or self.bearer_token_env) and self.basic_user:
@@ -203,6 +251,10 @@ class RemoteWriter:
         self.last_error = ""
         self._auth = config.authorization()
         self._ssl = config.ssl_context()
+        handlers: list[Any] = [_NoRedirect()]
+        if self._ssl is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=self._ssl))
+        self._opener = urllib.request.build_opener(*handlers)
         self._buf: deque[tuple[Series, int, float]] = deque()
         self._last_ts: dict[Series, int] = {}
         self._lock = threading.Lock()
@@ -210,12 +262,16 @@ class RemoteWriter:
         self._closed = False
         self._retrying = False
         self._retry_after: float | None = None  # the receiver's Retry-After, for the next wait
+        self._warned_redirect = False
         self._user_agent = _user_agent()
         self._thread = threading.Thread(target=self._run, name="stepmem-remote-write", daemon=True)
         self._thread.start()
 
-    def __repr__(self) -> str:  # never show the Authorization value
-        return f"RemoteWriter(url={self.config.url!r}, sent={self.sent}, pending={len(self._buf)})"
+    def __repr__(self) -> str:  # never show the Authorization value, nor a URL's query
+        return (
+            f"RemoteWriter(url={redact_url(self.config.url)!r}, sent={self.sent}, "
+            f"pending={len(self._buf)})"
+        )
 
     def push(
         self, name: str, labels: dict[str, str], t_ms: int, value: float, job: str | None = None
@@ -278,6 +334,7 @@ class RemoteWriter:
             "requests": self.requests,
             "shifted": self.shifted,
             "throttled": self.throttled,
+            "last_error": self.last_error,
         }
 
     def mark_stale(self, t_ms: int | None = None) -> int:
@@ -316,7 +373,7 @@ class RemoteWriter:
             headers["Authorization"] = self._auth
         req = urllib.request.Request(self.config.url, data=body, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.config.timeout_s, context=self._ssl) as r:
+            with self._opener.open(req, timeout=self.config.timeout_s) as r:
                 return r.status
         except urllib.error.HTTPError as exc:
             reason = exc.read(500).decode(errors="replace").strip()
@@ -347,6 +404,18 @@ class RemoteWriter:
             self.throttled += 1
             self._put_back(batch)
             return False
+        if 300 <= status < 400:  # never followed: the samples would not arrive (nor stay ours)
+            self.dropped["redirected"] += len(batch)
+            if not self._warned_redirect:
+                self._warned_redirect = True
+                log.warning(
+                    "remote write answered %s (a redirect, %s): not followed, %d samples dropped;"
+                    " give the receiver's final URL",
+                    status,
+                    self.last_error,
+                    len(batch),
+                )
+            return True
         if 400 <= status < 500:
             self.dropped["rejected_4xx"] += len(batch)
             log.warning(

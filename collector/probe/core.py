@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -84,6 +85,35 @@ def allocator_mode() -> dict[str, int]:
     }
 
 
+def distributed_identity() -> tuple[int, int, int | None, bool]:
+    """This process's (rank, world size, local rank or None, whether torch.distributed is
+    initialized): from ``torch.distributed`` once its process group exists, else from the
+    environment torchrun and Ray Train set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), else a
+    single process (0, 1). Values that contradict each other (a rank outside the world) fall
+    back to a single process rather than reach the sampler as events it must refuse."""
+    rank = world = local = None
+    initialized = False
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank, world, initialized = dist.get_rank(), dist.get_world_size(), True
+    except Exception:  # a half-torn-down process group: the environment still tells
+        pass
+
+    def env(name: str) -> int | None:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            return None
+
+    if rank is None:
+        rank, world = env("RANK"), env("WORLD_SIZE")
+    local = env("LOCAL_RANK")
+    if rank is None or world is None or not (0 <= rank < world):
+        rank, world = 0, 1
+    return rank, world, local, initialized
+
+
 def _dig(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
     for part in path:
         nested = nested[part]
@@ -101,8 +131,13 @@ def cuda_uuid(device: int) -> str:
 class StepProbe:
     """Reads allocator statistics at step marks for every CUDA device this process uses.
 
-    ``devices``: CUDA indices to read (default: every visible device, read lazily at the first
-    ``begin`` — a ``device_map="auto"`` model spreads over all of them). Use
+    ``devices``: CUDA indices to read (default, decided at the first ``begin``: in a distributed
+    run — torch.distributed initialized, or ``WORLD_SIZE`` > 1 — only this rank's device,
+    ``LOCAL_RANK`` or the current device, so that no rank opens a CUDA context on its
+    neighbours' GPUs; otherwise every visible device, as a ``device_map="auto"`` model spreads
+    over all of them). Every event carries the step's sequence number (``seq``: 1, 2, 3, …,
+    whatever numbers the caller gives), the process's pid, and its rank and world size
+    (:func:`distributed_identity`, read at each begin until the process group exists). Use
     :meth:`watch` to give it the model and optimizer for the ledger. ``gpu_uuids`` overrides the
     UUID each device's events are addressed to (used to point a CPU-only run at replayed GPUs).
     ``events_file`` (default: the ``STEPMEM_EVENTS`` environment variable) receives every event
@@ -148,6 +183,9 @@ class StepProbe:
         self._baseline: dict[Any, int] = {}
         self._mode: dict[str, int] = {}
         self._ledger_cache = LedgerCache()
+        self.seq = 0  # the probe's own number of the current (or last) step
+        self._pid = os.getpid()
+        self._rank, self._world, self._dist_known = 0, 1, False
         self._end_reserved: int | None = None  # torch reserved at the last end, all devices
         self._log_peaks: dict[Any, dict[str, int]] = {}  # per device, since the last metrics()
         self._last_end: dict[Any, dict[str, Any]] = {}  # per device, its newest end record
@@ -176,7 +214,7 @@ class StepProbe:
             return
         idx = self._devices_arg
         if idx is None:
-            idx = list(range(torch.cuda.device_count()))
+            idx = self._default_devices(torch)
         self._devices = list(idx)
         for d in self._devices:
             if d not in self._uuids:
@@ -187,6 +225,29 @@ class StepProbe:
         self._mode = allocator_mode()
         if self.history is not None:
             self.history.attach_oom_observer(lambda: self.step_index)
+
+    def _default_devices(self, torch: Any) -> list[int]:
+        """Every visible device; in a distributed run only this rank's own."""
+        count = torch.cuda.device_count()
+        _, world, local, initialized = distributed_identity()
+        if world > 1 or initialized:
+            if local is not None and 0 <= local < count:
+                return [local]
+            return [torch.cuda.current_device()]
+        return list(range(count))
+
+    def _identify(self) -> None:
+        """Rank and world size for this step's events; fixed once the process group exists."""
+        if not self._dist_known:
+            self._rank, self._world, _, self._dist_known = distributed_identity()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
 
     @property
     def devices(self) -> list[Any]:
@@ -263,6 +324,10 @@ class StepProbe:
                 phase=phase,
                 torch=torch_stats,
                 ledger=led,
+                seq=self.seq,
+                pid=self._pid,
+                rank=self._rank,
+                world_size=self._world,
             )
             d_ev = self.outbox.put(ev)
             if torch_stats:  # the allocator's peaks since the last metrics() (trackers)
@@ -280,10 +345,13 @@ class StepProbe:
     # -- the step contract -------------------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        """Mark the start of step ``step`` (an integer that grows by one each step)."""
+        """Mark the start of step ``step``: the caller's number for it (it may restart each
+        epoch; the probe numbers steps itself too, ``seq``, so none is lost or merged)."""
         if self.step_index is not None:
             self.errors["begin_without_end"] += 1
         self.step_index = step
+        self.seq += 1
+        self._identify()
         self._step_cost = 0
         self._begin_t = self._clock()
         if self.history is not None and self._cuda_ready():

@@ -10,7 +10,10 @@ Phases: ``forward_backward`` ends at ``on_before_optimizer_step``; ``optimizer``
 step. Only automatic optimization with one optimizer is marked.
 
 Trackers: every ``log_every_n_steps`` steps the ``stepmem/*`` keys
-(:meth:`StepProbe.metrics`) go to each of the trainer's loggers at ``trainer.global_step``.
+(:meth:`StepProbe.metrics`) go to each of the trainer's loggers on the step axis of the
+metrics the module logs in that step (``self.log("loss", …)``): Lightning logs those at the
+number of optimizer steps taken *before* the update, which is ``trainer.global_step - 1`` once
+the update is done.
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ class StepMemLightningCallback(Callback):
             step = trainer.global_step
             if trainer.loggers and step % max(1, int(trainer.log_every_n_steps)) == 0:
                 metrics = self.probe.metrics()
-                for logger in trainer.loggers:  # on the trainer's own step axis
-                    logger.log_metrics(metrics, step=step)
+                for logger in trainer.loggers:  # beside the loss this update logged
+                    logger.log_metrics(metrics, step=max(0, step - 1))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.probe.close()

@@ -1,6 +1,13 @@
 """How step events leave the training process: :class:`Outbox` batches them per GPU and a
 sender thread of its own submits them to each GPU's sampler actor, never waited on; this
-process's Ray name (:func:`ray_process_label`) and the sampler lookup (:class:`RaySamplers`)."""
+process's Ray name (:func:`ray_process_label`) and the sampler lookup (:class:`RaySamplers`).
+
+A process that is not connected to Ray (a rank started by ``torchrun`` or
+``torch.multiprocessing.spawn`` under ``stepmem run --command/--script``) cannot call an actor.
+When the run gave it a spool folder (``STEPMEM_SPOOL``, inherited from the job), its sender
+appends the events to ``<spool>/events-<pid>.jsonl`` instead, and the run's samplers on that
+node read them from there (:class:`SpoolReader`): the same events, the same join, no Ray in
+the training process."""
 
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ from typing import Any
 
 from collector.records import StepEvent
 
-__all__ = ["EVENTS_KEPT", "Outbox", "RaySamplers", "ray_process_label"]
+__all__ = ["EVENTS_KEPT", "SPOOL_ENV", "Outbox", "RaySamplers", "SpoolReader", "ray_process_label"]
 
 log = logging.getLogger(__name__)
 
-EVENTS_KEPT = 200_000  # events an outbox holds for the run store; older ones dropped, counted
+EVENTS_KEPT = 1024  # the newest events an outbox keeps for inspection (``Outbox.events``)
+SPOOL_ENV = "STEPMEM_SPOOL"  # a folder where a process without Ray leaves its events
+SPOOL_READ_MAX = 4 << 20  # bytes a sampler reads from one spool file per look
 
 
 class Outbox:
@@ -42,14 +51,19 @@ class Outbox:
         batch_max: int = 64,
         flush_interval_s: float = 0.5,
         events_file: str | Path | None = None,
+        spool: str | Path | None = None,
     ) -> None:
         self._resolve = resolve
         self.batch_max = batch_max
         self.flush_interval_s = flush_interval_s
-        # Every event until taken (take_events); at most EVENTS_KEPT are held, oldest dropped
-        # and counted, so a long run without a run store cannot grow the training process.
-        self.events: deque[dict[str, Any]] = deque()
+        # the newest EVENTS_KEPT events, for inspection; what the run keeps is the samplers'
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.sent = 0
+        self.spooled = 0  # events left in the spool folder (no Ray in this process)
+        if spool is None:
+            spool = os.environ.get(SPOOL_ENV) or None
+        self._spool = Path(spool) if spool else None
+        self._spool_file: Any = None
         self.dropped: Counter[str] = Counter()
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._unwritten: list[dict[str, Any]] = []
@@ -69,9 +83,6 @@ class Outbox:
     def put(self, ev: StepEvent) -> dict[str, Any]:
         d = ev.to_dict()
         with self._lock:
-            if len(self.events) >= EVENTS_KEPT:
-                self.events.popleft()
-                self.dropped["events_not_kept"] += 1
             self.events.append(d)
             self._pending.setdefault(ev.gpu_uuid, []).append(d)
             if self._file is not None:
@@ -81,13 +92,6 @@ class Outbox:
             # its per-process snapshot at the mark (an Event.set here, the write on the sender)
             self._wake.set()
         return d
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """Every event kept so far, removed from the outbox (the run store calls this)."""
-        with self._lock:
-            out = list(self.events)
-            self.events.clear()
-        return out
 
     def maybe_flush(self) -> None:
         """Start the sender on first use; wake it early when a batch is full. Never blocks."""
@@ -173,6 +177,8 @@ class Outbox:
             except Exception as exc:  # lookup trouble is the sampler's problem, not training's
                 log.debug("sampler lookup for %s failed: %s", uuid, exc)
         if handle is None:
+            if self._spool is not None and self._to_spool(batch):
+                return
             self.dropped["no_sampler"] += len(batch)
             return
         try:
@@ -185,6 +191,24 @@ class Outbox:
             self.dropped["send_failed"] += len(batch)
             log.debug("sending %d events to %s failed: %s", len(batch), uuid, exc)
 
+    def _to_spool(self, batch: list[dict[str, Any]]) -> bool:
+        """Append ``batch`` to this process's spool file (the sender thread only). False when
+        the folder cannot be written (counted by the caller as unsent)."""
+        try:
+            if self._spool_file is None:
+                assert self._spool is not None
+                self._spool.mkdir(mode=0o700, parents=True, exist_ok=True)
+                path = self._spool / f"events-{os.getpid()}.jsonl"
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._spool_file = os.fdopen(fd, "a")
+            self._spool_file.write("".join(json.dumps(d) + "\n" for d in batch))
+            self._spool_file.flush()
+        except OSError as exc:
+            log.debug("spool write failed: %s", exc)
+            return False
+        self.spooled += len(batch)
+        return True
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sender and send what is left (bounded by ``timeout`` for the thread)."""
         self._closed = True
@@ -192,9 +216,11 @@ class Outbox:
         if self._thread is not None:
             self._thread.join(timeout)
         self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for name in ("_file", "_spool_file"):
+            f = getattr(self, name)
+            if f is not None:
+                f.close()
+                setattr(self, name, None)
 
 
 def ray_process_label() -> str:
@@ -233,3 +259,48 @@ class RaySamplers:
 
             self._lookup = SamplerLookup()
         return self._lookup.find(uuid)
+
+
+class SpoolReader:
+    """What the processes of one node without Ray left in a spool folder (the sampler side):
+    each call returns the events appended since the last, for one GPU (others' are skipped),
+    reading at most :data:`SPOOL_READ_MAX` bytes a file a call. Lines that are not JSON
+    objects are counted in ``malformed``; the files are another process's output, so they
+    are data only (validated by the caller as any event)."""
+
+    def __init__(self, folder: str | Path, gpu_uuid: str) -> None:
+        self.folder, self.gpu_uuid = Path(folder), gpu_uuid
+        self.malformed = 0
+        self._offsets: dict[str, int] = {}
+        self._tails: dict[str, bytes] = {}
+
+    def read(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        try:
+            files = sorted(p for p in self.folder.glob("events-*.jsonl") if p.is_file())
+        except OSError:
+            return out
+        for path in files:
+            key = path.name
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(key, 0))
+                    chunk = f.read(SPOOL_READ_MAX)
+            except OSError:
+                continue
+            self._offsets[key] = self._offsets.get(key, 0) + len(chunk)
+            lines = (self._tails.get(key, b"") + chunk).split(b"\n")
+            self._tails[key] = lines.pop()[-SPOOL_READ_MAX:]
+            for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                except (ValueError, RecursionError):
+                    self.malformed += 1
+                    continue
+                if not isinstance(d, dict):
+                    self.malformed += 1
+                elif d.get("gpu_uuid") == self.gpu_uuid:
+                    out.append(d)
+        return out

@@ -3,19 +3,51 @@
 # config and alert rules (remote-write receiver on), and Alertmanager with stepmem's routing.
 #   deploy/local/up.sh            # then submit jobs (printed below); deploy/local/down.sh stops all
 # Ports and the state folder can be moved with STEPMEM_LOCAL_DIR, STEPMEM_RAY_PORT,
-# STEPMEM_DASHBOARD_PORT, STEPMEM_PROM_PORT, STEPMEM_AM_PORT; STEPMEM_UP_TIMEOUT_S bounds each
-# readiness wait (60 s). If anything does not come up, what was started is stopped again.
+# STEPMEM_DASHBOARD_PORT, STEPMEM_AGENT_PORT (the head's job agent), STEPMEM_PROM_PORT,
+# STEPMEM_AM_PORT; STEPMEM_UP_TIMEOUT_S bounds each readiness wait (60 s). A stack that is
+# already up, or a port another program holds, is refused before anything starts; if anything
+# does not come up, what was started is stopped again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${STEPMEM_LOCAL_DIR:-/tmp/stepmem-local}
 ray_port=${STEPMEM_RAY_PORT:-6379}
 dash_port=${STEPMEM_DASHBOARD_PORT:-8265}
+agent_port=${STEPMEM_AGENT_PORT:-52365}
 prom_port=${STEPMEM_PROM_PORT:-9090}
 am_port=${STEPMEM_AM_PORT:-9093}
-ray_bin=${RAY_BIN:-$(command -v ray || echo "$root/.venv/bin/ray")}
+# the project's own Ray and Python (the venv's), whatever is first on PATH
+venv="$root/.venv/bin"
+ray_bin=${RAY_BIN:-$([ -x "$venv/ray" ] && echo "$venv/ray" || command -v ray || echo ray)}
+py_bin=$([ -x "$venv/python" ] && echo "$venv/python" || command -v python3)
 # Debian names the Alertmanager binary prometheus-alertmanager
 alertmanager=$(command -v alertmanager || command -v prometheus-alertmanager || echo alertmanager)
 mkdir -p "$dir" "$root/deploy/prometheus/targets"
+
+# Refuse a second stack (its readiness checks would be answered by the first, and down.sh
+# would then stop the wrong one) and ports held by anything else, before starting anything.
+for name in ray prometheus alertmanager; do
+  pid=$(cat "$dir/$name.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    echo "a stack is already up in $dir ($name pid $pid); deploy/local/down.sh stops it" >&2
+    exit 1
+  fi
+done
+busy=$("$py_bin" - "$ray_port" "$dash_port" "$agent_port" "$prom_port" "$am_port" <<'PY'
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            print(port)
+PY
+)
+if [ -n "$busy" ]; then
+  echo "port(s) $(echo $busy) on 127.0.0.1 are in use by another program; stop it or move this" \
+       "stack (STEPMEM_RAY_PORT, STEPMEM_DASHBOARD_PORT, STEPMEM_AGENT_PORT, STEPMEM_PROM_PORT," \
+       "STEPMEM_AM_PORT)" >&2
+  exit 1
+fi
 
 # Prometheus reads the project's config as is, with the Alertmanager address of this stack.
 sed "s/127.0.0.1:9093/127.0.0.1:$am_port/" "$root/deploy/prometheus/prometheus.yml" \
@@ -49,7 +81,7 @@ trap '[ "$up" = 1 ] || STEPMEM_LOCAL_DIR="$dir" "$root/deploy/local/down.sh" >/d
 # Ray's CLI finds the token itself (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, else
 # ~/.ray/auth_token); so does this check.
 ready() {  # up to STEPMEM_UP_TIMEOUT_S (60 s); exit 3 when the server answers but refuses our credentials
-  python3 - "$1" "${STEPMEM_UP_TIMEOUT_S:-60}" <<'PY'
+  "$py_bin" - "$1" "${STEPMEM_UP_TIMEOUT_S:-60}" <<'PY'
 import os, sys, time, urllib.error, urllib.request
 from pathlib import Path
 
@@ -88,12 +120,21 @@ elif [ "$rc" != 0 ]; then
   echo "Ray did not start: $dir/ray.log"
   exit 1
 fi
+# The head takes jobs through its agent, which starts a little after the dashboard; when the
+# agent cannot bind its port it stays up without it, and every submit fails with a 500.
+ready "http://127.0.0.1:$agent_port/api/local_raylet_healthz" || {
+  echo "Ray's job agent did not come up on 127.0.0.1:$agent_port (jobs could not be" \
+       "submitted): $dir/ray.log and the head's dashboard_agent log"
+  exit 1
+}
 up=1
-if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+if "$py_bin" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
     "http://127.0.0.1:$dash_port/api/version" 2>/dev/null; then
   auth="off (the head found no token and RAY_AUTH_MODE is not token)"
+  submit_env=""
 else
-  auth="on: ray CLI and ray.init find the token themselves; browsers ask for \`ray get-auth-token\`"
+  auth="on: RAY_AUTH_MODE=token lets the ray CLI and ray.init find the token (~/.ray/auth_token); browsers ask for \`ray get-auth-token\`"
+  submit_env="RAY_AUTH_MODE=token "
 fi
 cat <<MSG
 stepmem local stack up (state in $dir):
@@ -101,8 +142,9 @@ stepmem local stack up (state in $dir):
   Prometheus     http://127.0.0.1:$prom_port   (stepmem config, alert rules, remote-write receiver)
   Alertmanager   http://127.0.0.1:$am_port
   Ray token auth $auth
-Submit a run (replay without a GPU, the real workload with one):
-  ray job submit --address http://127.0.0.1:$dash_port --working-dir . -- python -m collector.job \\
+Submit a run (replay without a GPU, the real workload with one), from $root:
+  ${submit_env}$ray_bin job submit --address http://127.0.0.1:$dash_port --working-dir . -- \\
+      $py_bin -m collector.job \\
       --targets $root/deploy/prometheus/targets/stepmem.json \\
       --remote-write http://127.0.0.1:$prom_port/api/v1/write
 Grafana: mount grafana/provisioning/* under /etc/grafana/provisioning/ and grafana/dashboards/
