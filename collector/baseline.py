@@ -73,11 +73,11 @@ class _NoAliases(yaml.SafeLoader):
     aliases expand exponentially (a "billion laughs" file would hang the command)."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.YAMLError("it uses YAML aliases (*name), which a baseline file never holds")
         event = self.peek_event()
-        if getattr(event, "anchor", None):
-            raise yaml.YAMLError("it uses YAML anchors (&name), which a baseline file never holds")
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise yaml.YAMLError(
+                "it uses YAML anchors or aliases (&name, *name), which a baseline file never holds"
+            )
         return super().compose_node(parent, index)
 
 

@@ -81,6 +81,14 @@ def _run_parser(sub) -> None:
         help="run your own training script (one that uses a stepmem probe adapter) instead of "
         "a built-in workload; its arguments go after '--'",
     )
+    r.add_argument(
+        "--command",
+        dest="run_command",
+        action="store_true",
+        help="run the command after '--' (torchrun …, python -m …) as the workload: every process "
+        "it starts with a stepmem probe reports to this run (with the replay backend, as CPU "
+        "stand-ins for the replayed GPUs)",
+    )
     r.add_argument("--out", type=Path, help="write step records (JSON) here")
     r.add_argument(
         "--address",
@@ -363,11 +371,13 @@ def _check_replay(ns: argparse.Namespace) -> None:
     """What a replay will play, checked before anything starts."""
     from collector.replay import Capture, resolve_capture
 
-    if ns.workload is not None or ns.workload_args:
+    stand_ins = ns.run_command or ns.train_workers  # CPU processes bring the steps
+    if not stand_ins and (ns.workload is not None or ns.workload_args):
         what = "--workload" if ns.workload is not None else "workload arguments after '--'"
         raise UserError(
             f"stepmem run: {what} choose what runs on a real GPU; the replay backend plays "
-            "captures recorded on one (choose them with --capture, e.g. --capture spiky)"
+            "captures recorded on one (choose them with --capture, e.g. --capture spiky; "
+            "--command or --train-workers run CPU processes as stand-ins)"
         )
     captures = ns.captures or ["adamw_8bit"]
     gpus = ns.gpus or len(captures)
@@ -380,7 +390,7 @@ def _check_replay(ns: argparse.Namespace) -> None:
     longest = 0.0
     for name in captures:
         cap = Capture.load(resolve_capture(name))
-        if not cap.events:
+        if not cap.events and not stand_ins:
             raise UserError(
                 f"stepmem run: capture {name!r} holds no step events, so there are no steps to "
                 "replay (idle is for `stepmem daemon --backend replay` and `stepmem devices`)"
@@ -406,20 +416,31 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from collector.run import JobOptions, run_job
 
     ns.workload_args = _strip_dashes(ns.workload_args)
+    if ns.run_command and (ns.script is not None or ns.train_workers):
+        other = "--script" if ns.script is not None else "--train-workers"
+        raise UserError(f"stepmem run: --command and {other} do not go together")
     if ns.script is not None:
         if not ns.script.is_file():
             raise UserError(f"stepmem run: --script {ns.script}: no such file")
         if ns.train_workers:
             raise UserError("stepmem run: --script and --train-workers do not go together")
+    elif ns.run_command:
+        import shutil
+
+        if not ns.workload_args:
+            raise UserError("stepmem run: --command needs the command after '--'")
+        if shutil.which(ns.workload_args[0]) is None:
+            raise UserError(f"stepmem run: --command: cannot run {ns.workload_args[0]!r}")
+        if ns.workload is not None:
+            raise UserError("stepmem run: --command and --workload do not go together")
     else:
         workloads.parse(ns.workload or "finetune", ns.workload_args)  # before anything starts
     kind = _backend_kind(ns.backend)
     if kind == "replay":
-        if ns.script is not None or ns.train_workers:
-            flag = "--script" if ns.script is not None else "--train-workers"
+        if ns.script is not None:
             raise UserError(
-                f"stepmem run: {flag} needs the live NVML backend (a GPU); the replay backend "
-                "plays recorded steps"
+                "stepmem run: --script needs the live NVML backend (a GPU); the replay backend "
+                "plays recorded steps (--command runs a script's processes as CPU stand-ins)"
             )
         _check_replay(ns)
     _check_metrics_addr(ns.metrics_addr, "stepmem run")
@@ -447,6 +468,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         sampler=args.sampler_options(ns, run_id=ns.run_id, workload=ns.workload_label),
         train_workers=ns.train_workers,
         script=ns.script,
+        command=ns.run_command,
         store=None if ns.no_store else ns.store,
     )
     result = run_job(opts)

@@ -30,10 +30,16 @@ __all__ = ["DASHBOARDS", "build_all", "expressions", "write_all"]
 
 DS = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'run=~"$run", node=~"$node", gpu_uuid=~"$gpu"'
-STEPS = f'job="stepmem-steps", {SEL}'
+STEPS = f'job="stepmem-steps", {SEL}, rank=~"$rank"'
 SCRAPED = f'job="stepmem", {SEL}'
 SAMPLES = f'job="stepmem-samples", {SEL}'
 GPU_LEGEND = "{{node}} GPU {{gpu}}"
+RANK_LEGEND = "{{node}} GPU {{gpu}} rank {{rank}}"  # per-step series: one a rank
+# a rank's allocated peak above the median of its run's ranks (the report's imbalance finding)
+ABOVE_MEDIAN = (
+    f"stepmem_step_torch_allocated_peak_bytes{{{STEPS}}} - on (run, workload) group_left "
+    f"quantile by (run, workload) (0.5, stepmem_step_torch_allocated_peak_bytes{{{STEPS}}})"
+)
 
 NVML_VS_TORCH = (
     "NVML 'used' is everything on the device: the torch allocator's reserved pool, the CUDA "
@@ -84,10 +90,13 @@ def _variables(d: dashboard.Dashboard) -> dashboard.Dashboard:
     # a run's GPUs from what the samplers serve (scraped) or push (remote write): a run that
     # reached Prometheus only by remote write is listed too
     either = '__name__=~"stepmem_nvml_total_bytes|stepmem_step", job=~"stepmem|stepmem-steps"'
+    steps = 'job="stepmem-steps", run=~"$run", node=~"$node", gpu_uuid=~"$gpu"'
     for name, label, query in (
         ("run", "Run", f"label_values({{{either}}}, run)"),
         ("node", "Node", f'label_values({{{either}, run=~"$run"}}, node)'),
         ("gpu", "GPU", f'label_values({{{either}, run=~"$run", node=~"$node"}}, gpu_uuid)'),
+        # ranks of a distributed run (0 for one process): from the pushed per-step series
+        ("rank", "Rank", f"label_values(stepmem_step{{{steps}}}, rank)"),
     ):
         d = d.with_variable(
             dashboard.QueryVariable(name)
@@ -144,8 +153,8 @@ def step_memory() -> dashboard.Dashboard:
             "on_step_end) never shows it.",
             "bytes",
             [
-                (f"stepmem_step_nvml_peak_bytes{{{STEPS}}}", GPU_LEGEND + " peak"),
-                (f"stepmem_step_nvml_end_bytes{{{STEPS}}}", GPU_LEGEND + " end"),
+                (f"stepmem_step_nvml_peak_bytes{{{STEPS}}}", RANK_LEGEND + " peak"),
+                (f"stepmem_step_nvml_end_bytes{{{STEPS}}}", RANK_LEGEND + " end"),
             ],
             points=True,
         )
@@ -157,7 +166,7 @@ def step_memory() -> dashboard.Dashboard:
             "CUDA managed memory (bitsandbytes paged optimizer state), other libraries' "
             "cudaMalloc and NCCL buffers; torch's own statistics never show it.",
             "bytes",
-            [(f"stepmem_step_nontorch_bytes{{{STEPS}}}", GPU_LEGEND)],
+            [(f"stepmem_step_nontorch_bytes{{{STEPS}}}", RANK_LEGEND)],
             points=True,
         )
     )
@@ -172,17 +181,20 @@ def step_memory() -> dashboard.Dashboard:
             [
                 (
                     f"stepmem_step_torch_allocated_peak_bytes{{{STEPS}}}",
-                    GPU_LEGEND + " allocated peak",
+                    RANK_LEGEND + " allocated peak",
                 ),
                 (
                     f"stepmem_step_torch_allocated_end_bytes{{{STEPS}}}",
-                    GPU_LEGEND + " allocated end",
+                    RANK_LEGEND + " allocated end",
                 ),
                 (
                     f"stepmem_step_torch_reserved_peak_bytes{{{STEPS}}}",
-                    GPU_LEGEND + " reserved peak",
+                    RANK_LEGEND + " reserved peak",
                 ),
-                (f"stepmem_step_torch_reserved_end_bytes{{{STEPS}}}", GPU_LEGEND + " reserved end"),
+                (
+                    f"stepmem_step_torch_reserved_end_bytes{{{STEPS}}}",
+                    RANK_LEGEND + " reserved end",
+                ),
             ],
             points=True,
         )
@@ -198,9 +210,36 @@ def step_memory() -> dashboard.Dashboard:
                 (
                     f"stepmem_step_torch_reserved_end_bytes{{{STEPS}}} - "
                     f"stepmem_step_torch_allocated_end_bytes{{{STEPS}}}",
-                    GPU_LEGEND,
+                    RANK_LEGEND,
                 )
             ],
+            points=True,
+        )
+    )
+    d = d.with_row(dashboard.Row("Ranks"))
+    d = d.with_panel(
+        _ts(
+            "Per rank: torch allocated within-step peak",
+            "Each rank's allocated peak, one point per step: ranks of a data-parallel run should "
+            "lie together; one above the others holds more (a bigger batch, an uneven shard, a "
+            "cache of its own). Its ledger below says which kind.",
+            "bytes",
+            [
+                (
+                    f"max by (rank) (stepmem_step_torch_allocated_peak_bytes{{{STEPS}}})",
+                    "rank {{rank}}",
+                )
+            ],
+            points=True,
+        )
+    )
+    d = d.with_panel(
+        _ts(
+            "Per rank: above the run's median",
+            "A rank's allocated peak minus the median over the run's ranks (the report's "
+            "imbalance finding, and StepMemRankImbalance's). 0 for a balanced run.",
+            "bytes",
+            [(ABOVE_MEDIAN, RANK_LEGEND)],
             points=True,
         )
     )
@@ -211,7 +250,7 @@ def step_memory() -> dashboard.Dashboard:
             "optimizer state in CUDA managed memory (paged; outside the allocator), and the rest "
             "(activations, temporaries).",
             "bytes",
-            [(f"stepmem_step_ledger_bytes{{{STEPS}}}", GPU_LEGEND + " {{kind}}")],
+            [(f"stepmem_step_ledger_bytes{{{STEPS}}}", RANK_LEGEND + " {{kind}}")],
             stack=True,
             w=24,
         )
@@ -224,7 +263,7 @@ def step_memory() -> dashboard.Dashboard:
             "processes, memory no process is charged for (CUDA managed/UVM, e.g. paged optimizer "
             "state), remainder; 'outside_torch_unsplit' where NVML gave no per-process readings.",
             "bytes",
-            [(f"stepmem_step_account_bytes{{{STEPS}}}", GPU_LEGEND + " {{component}}")],
+            [(f"stepmem_step_account_bytes{{{STEPS}}}", RANK_LEGEND + " {{component}}")],
             stack=True,
             w=24,
         )

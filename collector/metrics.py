@@ -13,6 +13,10 @@ Labels on every GPU series:
 * ``workload`` — what the run trains (``finetune``, a replayed capture, a name the user gives):
   the key that per-workload baselines are matched on (``stepmem_baseline_*``).
 
+Per-step series (``stepmem_step*``, the allocator's retry and OOM counters) also carry ``rank``:
+the training process's rank in a distributed run (``0`` for a single process), so ranks that
+share a GPU, or a fleet of them, are told apart; it is bounded by the world size.
+
 Series reach Prometheus two ways: scraped from each sampler's ``/metrics`` (scrape config
 ``job="stepmem"``), and — for per-step values, which change faster than any scrape interval —
 pushed through remote write with each step's end timestamp, under ``job="stepmem-steps"``
@@ -31,12 +35,14 @@ __all__ = [
     "PUSHED",
     "PUSH_JOB",
     "PUSH_SAMPLES_JOB",
+    "STEP_LABELS",
     "Metric",
     "by_name",
     "gpu_labels",
 ]
 
 GPU_LABELS = ("node", "gpu", "gpu_uuid", "run", "workload")
+STEP_LABELS = (*GPU_LABELS, "rank")  # a step is one rank's (see the module docstring)
 PUSH_JOB = "stepmem-steps"
 
 
@@ -289,6 +295,10 @@ DROP_REASONS = (
     "end_without_begin",
     "phase_without_begin",
     "end_before_begin",
+    "unended",
+    "open_dropped",
+    "phases_dropped",
+    "future_timestamp",
 )
 REMOTE_WRITE_DROP_REASONS = ("buffer_full", "rejected_4xx", "redirected", "gave_up", "ring_overrun")
 
@@ -307,6 +317,19 @@ PUSHED = (
     "stepmem_step_ledger_bytes",
 )
 
+
+def _per_rank(m: Metric) -> Metric:
+    """A per-step series (or the allocator's counters, read at a step's end) with ``rank``."""
+    if (
+        not m.name.startswith(("stepmem_step", "stepmem_torch_"))
+        or m.name == "stepmem_steps_joined_total"
+    ):
+        return m
+    extra = tuple(label for label in m.labels if label not in GPU_LABELS)
+    return Metric(m.name, m.type, m.unit, m.help, (*STEP_LABELS, *extra))
+
+
+METRICS = tuple(_per_rank(m) for m in METRICS)
 _BY_NAME = {m.name: m for m in METRICS}
 if len(_BY_NAME) != len(METRICS):
     raise ValueError("duplicate metric names in METRICS")

@@ -67,6 +67,13 @@ CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
 _NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
 
 
+class ReplayHeld(NvmlUnavailable):
+    """A replayed GPU read before its run aligned it (:meth:`ReplayDevice.hold`): nothing to
+    read yet, which is no error of the device's; the sampler skips it without counting."""
+
+    kind = "held"
+
+
 class CaptureError(StepmemError, ValueError):
     """A capture file that is missing, unreadable or not a stepmem capture."""
 
@@ -365,10 +372,18 @@ class ReplayDevice:
         self._fault: tuple[type, int, int] | None = None
         self._reads = 0
         self._held = False  # restarted by Ray: read nothing until aligned again
+        step = int(np.median(np.diff(capture.t_ns))) if len(capture.t_ns) > 1 else 0
+        self._resolution = int(step / speed)
 
     @property
     def uuid(self) -> str:
         return self.info.uuid
+
+    @property
+    def resolution_ns(self) -> int:
+        """The capture's own sampling period (median), at this replay's speed: a sampler
+        reading faster sees each captured value several times, not finer detail."""
+        return self._resolution
 
     def position_ns(self, t_ns: int | None = None) -> int:
         """Where on the capture's clock the replay is at monotonic time ``t_ns`` (default: now)."""
@@ -407,7 +422,7 @@ class ReplayDevice:
 
     def _index(self, now: int) -> int:
         if self._held:
-            raise NvmlUnavailable(f"{self.uuid}: replay waits to be aligned after a restart")
+            raise ReplayHeld(f"{self.uuid}: the replay waits for the run to align it")
         if self._fault is not None and now >= self._fault[2]:
             self._reads += 1
             if self._reads % self._fault[1] == 0:

@@ -27,6 +27,23 @@ __all__ = ["REPLAY_LEAD_S", "ReplayDriver"]
 REPLAY_LEAD_S = 0.5  # lead between aligning replayed GPUs and the first replayed step
 
 
+def numbered(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A capture's events in time order, each with the ``seq`` of its step: the capture's own
+    (a probe that wrote it), else 1, 2, … in the order steps begin per process (captures
+    recorded before ``seq`` existed), so a replay keys its steps as a live run does — also on a
+    sampler that Ray restarted mid-replay."""
+    out, count, current = [], {}, {}
+    for ev in sorted(events, key=lambda e: e["t_ns"]):
+        pid = ev.get("pid", 0)
+        if not ev.get("seq"):
+            if ev["kind"] == "begin":
+                count[pid] = count.get(pid, 0) + 1
+                current[pid] = count[pid]
+            ev = {**ev, "seq": current.get(pid, 0)}
+        out.append(ev)
+    return [e for e in out if e["seq"]]
+
+
 class ReplayDriver:
     """Alignment and playback for the replayed GPUs ``placed`` (launched with ``spec``);
     ``steps`` plays steps 1..steps only (None: every recorded step)."""
@@ -59,8 +76,8 @@ class ReplayDriver:
             raise RuntimeError("align() first: the plan is on the aligned clock")
         plan = []
         for p in self.placed:
-            for ev in self.captures[p.gpu_uuid].events:
-                if self.steps is not None and ev["step"] > self.steps:
+            for ev in numbered(self.captures[p.gpu_uuid].events):
+                if self.steps is not None and ev["seq"] > self.steps:
                     continue
                 t = self.origin_ns + int(ev["t_ns"] / self.spec.speed)
                 plan.append((t, {**ev, "t_ns": t, "gpu_uuid": p.gpu_uuid}))
@@ -71,7 +88,7 @@ class ReplayDriver:
         """Send the plan at its times. Returns the number of step ends sent."""
         held = {}
         for c in self.captures.values():
-            held[c.name] = max((e["step"] for e in c.events), default=0)
+            held[c.name] = max((e["seq"] for e in numbered(c.events)), default=0)
         if self.steps is not None and self.steps > max(held.values(), default=0):
             echo(
                 f"note: --steps {self.steps}, but the capture(s) hold "

@@ -201,7 +201,7 @@ def _sites(folder: Path, console: Any, top: int = 3) -> None:
 
 
 FLEET_ROWS = 16  # a fleet table of more streams shows the highest, the lowest and the odd ones
-IMBALANCE_FRACTION = 0.10  # a rank whose allocated peak is this far from the median…
+IMBALANCE_FRACTION = 0.05  # a rank whose allocated peak is this far from the median…
 IMBALANCE_BYTES = 256 << 20  # …and at least this far, is named
 _LEDGER_PARTS = ("parameters", "gradients", "optimizer_state", "other_allocated")
 
@@ -403,6 +403,14 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
         )
     most = max((len(row.stream.records) for row in rows), default=0)
     for row in rows:
+        recs = row.stream.records
+        if not row.lost and 0 < len(recs) < most and row.stream.world_size > 1:
+            out.append(
+                f"Rank {row.stream.rank} (GPU {row.stream.gpu}, pid {row.stream.pid}) stopped "
+                f"after step {recs[-1]['step']}: {len(recs)} of {most} steps — its process "
+                "ended early or died; its steps up to then are kept."
+            )
+    for row in rows:
         if row.lost:
             recs = row.stream.records
             out.append(
@@ -450,19 +458,36 @@ def status_lines(meta: dict[str, Any]) -> list[str]:
 
 
 def sampling_line(meta: dict[str, Any]) -> str:
-    """How well the samplers kept their rate, from their final health: achieved against
-    target, deadlines missed. Empty when nothing was recorded."""
+    """How well the samplers kept their rate, from their final health: the mean rate achieved
+    against the target, deadlines missed, and the trace's resolution when it is coarser than
+    2 ms (a replayed capture recorded at a low rate). Empty when nothing was recorded."""
     health = [h for h in meta.get("health") or [] if isinstance(h, dict) and "rate_hz" in h]
     target = meta.get("rate_hz")
     if not health:
         return ""
-    rates = [float(h.get("rate_hz") or 0) for h in health]
+    rates = [float(h.get("mean_rate_hz") or h.get("rate_hz") or 0) for h in health]
     missed = sum(int(h.get("missed_deadlines") or 0) for h in health)
     aim = f" (target {target:g} Hz)" if isinstance(target, int | float) and target else ""
-    span = f"{min(rates):.0f}" + (f"–{max(rates):.0f}" if max(rates) != min(rates) else "")
-    line = f"Sampling: {span} Hz achieved at the end{aim}; {missed:,} sampling deadlines missed"
+    span = f"{min(rates):.0f}" + (
+        f"–{max(rates):.0f}" if round(max(rates)) != round(min(rates)) else ""
+    )
+    line = f"Sampling: {span} Hz achieved{aim}; {missed:,} sampling deadlines missed"
     if isinstance(target, int | float) and target and min(rates) < 0.5 * target:
         line += " — the samplers got too little CPU: short transients may be missed"
+    coarse = max(
+        (
+            int(s.get("resolution_ns") or 0)
+            for s in meta.get("samplers") or []
+            if isinstance(s, dict)
+        ),
+        default=0,
+    )
+    if coarse > 2_000_000:
+        line += (
+            f". The NVML trace resolves {coarse / 1e6:.0f} ms (the capture's own rate): "
+            f"transients shorter than that may be missed, and a reading at a step mark may "
+            f"show what happened up to {coarse / 1e6:.0f} ms after it"
+        )
     return line + "."
 
 

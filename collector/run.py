@@ -35,7 +35,7 @@ from collector.placement import PlacedSampler, launch_samplers, new_run_id
 from collector.probe.core import Outbox
 from collector.probe.outbox import SPOOL_ENV
 from collector.replay import Capture, resolve_capture
-from collector.runners import Runner, runner_for
+from collector.runners import ReplayRunner, Runner, runner_for
 from collector.session import RaySession
 from collector.settings import JobOptions, SamplerOptions
 from collector.store import RunWriter
@@ -122,8 +122,9 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
             f"stepmem: live NVML backend, workload {opts.workload}, "
             f"sampling at {opts.sampler.sampling.rate}"
         )
+    stand_ins = opts.command or bool(opts.train_workers)  # CPU processes bring the steps
     for name in opts.captures:  # fail here, in one line, not inside a sampler actor
-        if not Capture.load(resolve_capture(name)).events:
+        if not stand_ins and not Capture.load(resolve_capture(name)).events:
             raise StepmemError(f"capture {name!r} holds no step events: nothing to replay")
     caps = ", ".join(Path(c).name.removesuffix(".capture.parquet") for c in opts.captures)
     # Committed captures travel by name: each node's actors resolve them in their own install.
@@ -135,11 +136,15 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
         hold_until_aligned=True,
     )
     why = opts.backend_reason or ("no GPU here" if opts.backend == "auto" else "asked for")
-    return spec, (
+    banner = (
         f"stepmem: REPLAY backend ({why}) — playing NVML captures recorded on a real "
         f"GPU, not this machine: {caps}; {spec.gpus or len(opts.captures)} simulated GPU(s) "
         f"per node at {opts.speed:g}x speed"
     )
+    if stand_ins:
+        what = "the command's" if opts.command else f"{opts.train_workers} Ray Train workers'"
+        banner += f"; {what} CPU processes stand in for the GPUs (their steps, the capture's NVML)"
+    return spec, banner
 
 
 class _Drainer:
@@ -259,9 +264,21 @@ def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> Sample
         spool=str(spool_dir(run_id)),
         workload=s.workload
         or (f"script:{opts.script.stem}" if opts.script is not None else "")
-        or (opts.workload if spec.kind == "nvml" else "replay:" + "+".join(opts.captures)),
+        or (f"command:{Path(opts.workload_args[0]).name}" if opts.command else "")
+        or (opts.workload if spec.kind == "nvml" or opts.train_workers else "")
+        or "replay:" + "+".join(opts.captures),
         metrics_addr=s.metrics_addr or ("127.0.0.1" if local else None),
     )
+
+
+def what_runs(opts: JobOptions) -> str:
+    """What the run runs, in words: ``script train.py``, ``command torchrun``, ``workload
+    finetune``."""
+    if opts.script is not None:
+        return f"script {opts.script}"
+    if opts.command and opts.workload_args:
+        return f"command {Path(opts.workload_args[0]).name}"
+    return f"workload {opts.workload}"
 
 
 def spool_dir(run_id: str) -> Path:
@@ -312,6 +329,7 @@ class RunSession:
         self.records: list[dict[str, Any]] = []
         self.health: list[dict[str, Any]] = []
         self.problems: list[str] = []  # why the run is not completely recorded
+        self._stand_in_origin: int | None = None  # replay played under CPU stand-ins, from
         self.status = "running"
         self._history_set = False  # this run set STEPMEM_HISTORY_DIR (and unsets it at the end)
 
@@ -328,6 +346,12 @@ class RunSession:
             )
         self.runner = runner_for(opts, self.spec, placed, self.options.run_id)
         self.outbox = self.runner.outbox(placed)
+        if self.spec.kind == "replay" and not isinstance(self.runner, ReplayRunner):
+            # CPU stand-ins bring the steps: the captures play from now, in a loop
+            self._stand_in_origin = time.monotonic_ns()
+            ray.get(
+                [p.handle.replay_from.remote(self._stand_in_origin) for p in placed], timeout=60
+            )
         _private_dir(Path(self.options.spool))
         os.environ[SPOOL_ENV] = self.options.spool  # this run's processes without Ray
         if opts.store is not None:
@@ -341,10 +365,13 @@ class RunSession:
     def _restarted(self, p: PlacedSampler) -> None:
         """Ray restarted sampler ``p``: a replay plays on from the run's alignment (the new
         actor holds its reads until then)."""
-        origin = getattr(self.runner, "origin_ns", None)
-        if origin is not None:
+        if isinstance(self.runner, ReplayRunner):
+            origin, loop = self.runner.origin_ns, False
+        else:
+            origin, loop = self._stand_in_origin, True
+        if origin is not None and self.spec.kind == "replay":
             try:
-                ray.get(p.handle.replay_from.remote(origin, loop=False), timeout=30)
+                ray.get(p.handle.replay_from.remote(origin, loop=loop), timeout=30)
             except Exception as exc:
                 log.warning("sampler %s could not be re-aligned: %s", p.name, _first_line(exc))
 
@@ -372,10 +399,7 @@ class RunSession:
         """The workload died (e.g. a CUDA OOM): keep everything, report it, fail the job after."""
         self.error = exc
         self.error_text = f"{type(exc).__name__}: {exc}"[:2000]
-        what = (
-            f"script {self.opts.script}" if self.opts.script else f"workload {self.opts.workload}"
-        )
-        self.echo(f"{what} failed: {type(exc).__name__}")
+        self.echo(f"{what_runs(self.opts)} failed: {type(exc).__name__}")
 
     def __exit__(self, exc_type: type | None, exc: object, tb: object) -> None:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
@@ -541,7 +565,7 @@ def run_job(opts: JobOptions, echo=print) -> JobResult:
     """Run ``opts`` to the end and print its report. A workload that fails leaves its result with
     ``failure`` set; stepmem's own errors and Ctrl-C/SIGTERM raise, after the teardown."""
     spec, banner = choose_backend(opts)
-    live_only = "--script" if opts.script else "--train-workers" if opts.train_workers else ""
+    live_only = "--script" if opts.script else ""
     if live_only and spec.kind == "replay":
         raise StepmemError(
             f"{live_only} needs the live NVML backend (a GPU); the replay backend plays "

@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from collector.placement import PlacedSampler
     from collector.settings import JobOptions
 
-__all__ = ["LiveRunner", "ReplayRunner", "Runner", "ScriptRunner", "TrainRunner", "runner_for"]
+__all__ = [
+    "CommandRunner",
+    "LiveRunner",
+    "ReplayRunner",
+    "Runner",
+    "ScriptRunner",
+    "TrainRunner",
+    "runner_for",
+]
 
 
 class Runner(Protocol):
@@ -104,6 +112,52 @@ class ScriptRunner:
         return {"script": str(self.script), "args": self.args, "seconds": seconds}
 
 
+class CommandRunner:
+    """A command (``torchrun …``, ``python -m …``, a shell script) run as the workload, in a
+    process of its own with the run's environment: every process it starts that has a probe
+    reports to this run — through Ray if it is connected, else through the run's spool folder
+    (``STEPMEM_SPOOL``). With the replay backend, CPU processes stand in for the replayed GPUs
+    of this node (``STEPMEM_CPU_AS``): the NVML trace is the capture's, the steps the
+    command's. Ctrl-C or SIGTERM stops the command first (SIGTERM, then SIGKILL after 10 s)."""
+
+    fails_as_workload = True
+
+    def __init__(self, opts: JobOptions, cpu_as: list[str] | None = None) -> None:
+        self.cmd, self.cpu_as = list(opts.workload_args), cpu_as
+
+    outbox = staticmethod(_probe_outbox)
+
+    def run(self, outbox: Outbox, echo) -> dict[str, Any]:
+        import os
+        import subprocess
+
+        from collector.probe.core import CPU_AS_ENV
+
+        env = dict(os.environ)
+        if self.cpu_as:
+            env[CPU_AS_ENV] = ",".join(self.cpu_as)
+        t0 = time.monotonic()
+        try:
+            child = subprocess.Popen(self.cmd, env=env)
+        except OSError as exc:
+            raise RuntimeError(f"cannot run {self.cmd[0]!r}: {exc.strerror or exc}") from None
+        try:
+            rc = child.wait()
+        except BaseException:  # Ctrl-C, SIGTERM: the command goes first, then the teardown
+            child.terminate()
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+        seconds = time.monotonic() - t0
+        if rc != 0:
+            raise RuntimeError(f"{self.cmd[0]} exited with status {rc}")
+        echo(f"command {self.cmd[0]} done in {seconds:.1f} s")
+        return {"command": self.cmd[:1], "returncode": rc, "seconds": seconds}
+
+
 @ray.remote(num_cpus=0)
 class _Summaries:
     """Where Ray Train workers leave their summaries for the driver (Ray Train 2 keeps reported
@@ -122,11 +176,15 @@ class _Summaries:
 def _train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker: the workload under its own probe, which finds this node's sampler
     for the worker's GPU by name. Leaves its step count and step times for the driver."""
+    import os
+
     import ray.train
 
     import workloads
-    from collector.probe.core import StepProbe
+    from collector.probe.core import CPU_AS_ENV, StepProbe
 
+    if config.get("cpu_as"):  # CPU workers standing in for replayed GPUs (CI)
+        os.environ[CPU_AS_ENV] = ",".join(config["cpu_as"])
     wl, args = workloads.parse(config["workload"], config["args"])
     probe = StepProbe(gpu_uuids=config.get("gpu_uuids"))
     summary = workloads.run(wl, args, probe)
@@ -135,6 +193,7 @@ def _train_worker(config: dict[str, Any]) -> None:
     out = {
         "steps": len(summary["step_times_s"]),
         "step_times_s": summary["step_times_s"],
+        "pid": os.getpid(),
         "probe_sent": probe.outbox.sent,
         "probe_dropped": dict(probe.outbox.dropped),
         "probe_cost_ns": list(probe.cost_ns),
@@ -155,8 +214,10 @@ class TrainRunner:
         run_id: str = "run",
         use_gpu: bool = True,
         gpu_uuids: dict[Any, str] | None = None,
+        cpu_as: list[str] | None = None,
     ) -> None:
         self.opts, self.run_id, self.use_gpu, self.gpu_uuids = opts, run_id, use_gpu, gpu_uuids
+        self.cpu_as = cpu_as
 
     outbox = staticmethod(_probe_outbox)
 
@@ -182,6 +243,7 @@ class TrainRunner:
                 "workload": opts.workload,
                 "args": list(opts.workload_args),
                 "gpu_uuids": self.gpu_uuids,
+                "cpu_as": self.cpu_as,
                 "summaries": name,
             },
             scaling_config=ScalingConfig(num_workers=opts.train_workers, use_gpu=self.use_gpu),
@@ -208,7 +270,7 @@ class TrainRunner:
             "probe_dropped": first.get("probe_dropped", {}),
             "probe_sent": first.get("probe_sent"),
             "workers": {
-                str(r): {"steps": s["steps"], "probe_sent": s["probe_sent"]}
+                str(r): {"steps": s["steps"], "probe_sent": s["probe_sent"], "pid": s.get("pid")}
                 for r, s in by_rank.items()
             },
         }
@@ -248,8 +310,18 @@ class ReplayRunner:
 def runner_for(
     opts: JobOptions, spec: BackendSpec, placed: list[PlacedSampler], run_id: str
 ) -> Runner:
-    """The runner for ``opts`` (``run_id``: the run's, for a Ray Train run's own storage)."""
-    if spec.kind == "replay":
+    """The runner for ``opts`` (``run_id``: the run's, for a Ray Train run's own storage). With
+    the replay backend, ``--command`` and ``--train-workers`` run on the CPU, their processes
+    standing in for the replayed GPUs (:class:`CommandRunner`); otherwise a replay plays the
+    captures' own steps."""
+    replay = spec.kind == "replay"
+    if opts.command:
+        here = ray.get_runtime_context().get_node_id()
+        local = [p.gpu_uuid for p in placed if p.node_id == here]
+        return CommandRunner(opts, local if replay else None)
+    if replay and opts.train_workers:
+        return TrainRunner(opts, run_id, use_gpu=False, cpu_as=[p.gpu_uuid for p in placed])
+    if replay:
         return ReplayRunner(spec, placed, opts.steps)
     if opts.script is not None:
         return ScriptRunner(opts)

@@ -53,6 +53,7 @@ RECORDS_KEPT = 20_000
 MAX_OPEN = 4096  # processes with a step open at once on one GPU
 MAX_PHASES = 256  # phase marks kept per step
 MAX_FUTURE_NS = 3600 * 1_000_000_000  # an event stamped further ahead than this is refused
+MAX_SCRAPED = 256  # processes whose newest step /metrics shows (the most recent ones)
 UNDERSAMPLED_SHARE = 0.5  # a step with fewer samples than this share of its rate's is flagged
 UNDERSAMPLED_MIN = 4  # … when its rate promised at least this many
 _NS = 1_000_000_000
@@ -232,15 +233,21 @@ class Sampler:
         return self.rate.period_ns
 
     @property
+    def resolution_ns(self) -> int:
+        """How finely the trace resolves time: the sampling period, or a replayed capture's own
+        period (a 100 Hz capture replayed at 1 kHz still changes only every 10 ms)."""
+        return max(self.period_ns, int(getattr(self.device, "resolution_ns", 0) or 0))
+
+    @property
     def mark_window_ns(self) -> int:
         """A sample taken this soon after a step mark still shows the device at the mark (a
         release just before it); a later one may show what followed the mark."""
-        return max(2 * self.period_ns, 2_000_000)
+        return max(2 * self.resolution_ns, 2_000_000)
 
     @property
     def gap_threshold_ns(self) -> int:
         """Two samples further apart than this mark a ``stall`` in a step window."""
-        return max(20 * self.period_ns, 20_000_000)
+        return max(20 * self.resolution_ns, 20_000_000)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -306,7 +313,8 @@ class Sampler:
                 self.stopped_by = err.kind
                 return
             except NvmlError as err:
-                self._record_error(err)
+                if err.kind != "held":  # a replay waiting to be aligned: nothing to read yet
+                    self._record_error(err)
             except Exception as err:  # a bug in a backend must not kill sampling silently
                 self.errors["internal"] += 1
                 log.exception("sampler %s: unexpected error: %s", self.device.uuid, err)
@@ -324,6 +332,13 @@ class Sampler:
                 while self._running and now < deadline:
                     sleep(min(deadline - now, max_sleep) / _NS)
                     now = clock()
+
+    def mean_rate_hz(self) -> float:
+        """Samples per second since the sampler started (0 before the second sample)."""
+        last = self.ring.last()
+        if last is None or self.ring.count < 2 or last[0] <= self.started_ns:
+            return 0.0
+        return (self.ring.count - 1) * _NS / float(last[0] - self.started_ns)
 
     def achieved_rate_hz(self, over_s: float = 5.0) -> float:
         """Samples per second over the last ``over_s`` seconds (or since start, if shorter)."""
@@ -396,6 +411,7 @@ class StepJoiner:
         # pid -> (seq, begin, phase marks) of the step it has open
         self._open: dict[int, tuple[int, StepEvent, list[StepEvent]]] = {}
         self._legacy_seq: Counter[int] = Counter()  # steps numbered here for seq-less events
+        self._newest: dict[int, StepRecord] = {}  # pid → its newest record (the scrape's)
         self._pending: list[tuple[StepEvent, StepEvent, list[StepEvent]]] = []
         self._lock = threading.Lock()  # events in, pending out
         # One poll at a time, and ``records`` read under it: the join thread polls while Ray
@@ -473,6 +489,11 @@ class StepJoiner:
                     rec.processes = self._processes(rec) or {}
             self.records.extend(out)
             self.joined += len(out)
+            for rec in out:
+                self._newest.pop(rec.pid, None)  # re-inserted last: the dict stays time-ordered
+                self._newest[rec.pid] = rec
+            while len(self._newest) > MAX_SCRAPED:
+                del self._newest[next(iter(self._newest))]
         return out
 
     def records_since(self, cursor: int) -> tuple[list[StepRecord], int, int]:
@@ -488,6 +509,12 @@ class StepJoiner:
     def newest(self) -> StepRecord | None:
         with self._records_lock:
             return self.records[-1] if self.records else None
+
+    def newest_by_process(self) -> list[StepRecord]:
+        """The newest record of each process (rank) on this GPU, at most :data:`MAX_SCRAPED`,
+        oldest first."""
+        with self._records_lock:
+            return list(self._newest.values())
 
     def _gap(self, begin: StepEvent, end: StepEvent, w: SampleWindow) -> str:
         """Why this step's window may not show everything (see :class:`StepRecord`): one

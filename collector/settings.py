@@ -164,3 +164,4 @@ class JobOptions:
     store: Path | None = Path("runs")  # run store root; None: no store
     train_workers: int = 0  # >0: run the workload in a Ray Train TorchTrainer with N workers
     script: Path | None = None  # a user's training script (with a probe adapter) instead
+    command: bool = False  # workload_args is a command to run (torchrun …) as the workload

@@ -329,8 +329,10 @@ class RunStore:
         return self._read(self.root / "samples" / gpu_uuid)
 
     def records(self) -> list[StepRecord]:
-        """The run's step records, typed, in (GPU, time) order; a store written before ``seq``
-        existed gets it here (1, 2, … in time order per GPU and process)."""
+        """The run's step records, typed, in (GPU, time) order, one per step: a store written
+        before ``seq`` existed gets it here (1, 2, … in time order per GPU and process); a step
+        stored twice (a sampler restarted by Ray joined again a step the old one had joined:
+        its events were retried on the new one) is kept once, with the most samples."""
         df = self.steps()
         if df is None:
             return []
@@ -338,7 +340,12 @@ class RunStore:
             recs = [StepRecord.from_dict(unflatten_record(r)) for r in df.to_dict("records")]
         except (ValueError, TypeError) as exc:
             raise StoreError(f"{self.root / 'steps'}: {exc}") from None
-        return number_steps(recs)
+        best: dict[tuple[Any, ...], StepRecord] = {}
+        for r in number_steps(recs):
+            key = (*r.key, r.begin_ns)
+            if key not in best or r.samples > best[key].samples:
+                best[key] = r
+        return sorted(best.values(), key=lambda r: (r.gpu_uuid, r.begin_ns))
 
     def steps(self) -> Any:
         df = self._read(self.root / "steps")

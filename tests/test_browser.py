@@ -107,8 +107,10 @@ def test_the_timeline_and_prometheus_graph_of_a_replayed_run_render(ray_cluster,
             ".map(t => ({name: t.name, n: (t.y || []).length, text: t.text || []}))"
         )
         by_name = {d["name"]: d for d in data}
-        assert by_name["NVML used"]["n"] > 100  # the full-rate trace
+        assert by_name["NVML used (full rate)"]["n"] > 100  # the full-rate trace
         assert by_name["NVML within-step peak"]["text"] == [f"step {i}" for i in range(1, 9)]
+        # the same story as the PNG: the reading at each step's end beside its peak
+        assert by_name["NVML at step end"]["text"] == [f"step {i}" for i in range(1, 9)]
         # the WebGL trace is on screen: its canvas has non-blank pixels
         assert page.evaluate(
             "() => { const c = document.querySelector('.js-plotly-plot canvas');"

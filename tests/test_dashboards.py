@@ -84,6 +84,7 @@ def substitute(expr: str, run: str) -> str:
         ("$run", run),
         ("$node", ".*"),
         ("$gpu", ".*"),
+        ("$rank", ".*"),
         ("$__rate_interval", "1m"),
         ("$__interval", "1m"),
     ):

@@ -57,6 +57,8 @@ def test_kinds_versions_and_the_image(manifests):
 def test_the_rayjob_brings_the_same_cluster_and_cleans_up(manifests):
     cluster, job, _ = manifests
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
+    # the dashboard and job API run code for whoever reaches them: token auth on
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
     assert job["spec"]["shutdownAfterJobFinishes"] is True
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 10  # time to flush on `ray job stop`
@@ -154,7 +156,7 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
     from tests.prom import free_port
 
     _require_stack_binaries()
-    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "AGENT", "PROM", "AM")}
     env = _stack_env(tmp_path, ports)
     # As on a machine where a local `ray.init()` ran before: a token in ~/.ray, so `ray start`
     # turns token authentication on (the dashboard answered the old up.sh 401 and it gave up)
@@ -197,6 +199,20 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
         assert get(ports["DASHBOARD"], "/api/version", auth)["ray_version"]
         # `ray start` names its head the machine's current cluster (shortly after it serves)
         wait_for(lambda: current.exists() and current.read_text().strip() == head, timeout=30)
+        # a second up.sh is refused: it would answer its checks with this stack's servers
+        again = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr, again.stderr
+        # the printed submit command works as printed, from a shell without the venv on PATH
+        lines = r.stdout.splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("Submit a run")) + 1
+        cmd = "\n".join(lines[start : start + 4]).replace("\\\n", " ")
+        assert "RAY_AUTH_MODE=token" in cmd and "/.venv/bin/python -m collector.job" in cmd
+        job = subprocess.run(
+            cmd + " --steps 2 --store " + str(tmp_path / "runs"),
+            shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "replayed step 2" in job.stdout and "succeeded" in job.stdout
     finally:
         d = subprocess.run([str(down)], env=env, capture_output=True, text=True, timeout=120)
     assert d.stdout.count("stopped") == 3, d.stdout + d.stderr
@@ -206,8 +222,33 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
     assert not busy, _who_listens(busy)
     record_fault(
         "deploy/local/up.sh where Ray turns token auth on (a token in ~/.ray)",
-        "the stack comes up and says 'Ray token auth on'; the dashboard refuses without the "
-        "token, answers with it; down.sh leaves no port held",
+        "the stack comes up once its job agent answers and says 'Ray token auth on'; the "
+        "dashboard refuses without the token, answers with it; the printed `ray job submit` "
+        "line runs a job as printed (no venv on PATH); a second up.sh is refused; down.sh "
+        "leaves no port held",
+    )
+
+
+def test_up_refuses_a_port_another_program_holds(tmp_path, record_fault):
+    """A port of the stack already held (another Ray's job agent, say): up.sh says which and
+    starts nothing, rather than a head that cannot take jobs."""
+    import socket
+    import subprocess
+
+    from tests.prom import free_port
+
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "AGENT", "PROM", "AM")}
+    env = _stack_env(tmp_path, ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports["AGENT"]))
+        held.listen()
+        up = ROOT / "deploy" / "local" / "up.sh"
+        r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"port(s) {ports['AGENT']}" in r.stderr, r.stderr
+    assert not list((tmp_path / "local").glob("*.pid"))
+    record_fault(
+        "deploy/local/up.sh when its job agent's port is held by another program",
+        f"'{r.stderr.strip().splitlines()[0][:90]}…', exit 1; nothing started",
     )
 
 
@@ -223,7 +264,7 @@ def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path, record_f
     fake_ray = tmp_path / "ray"
     fake_ray.write_text("#!/bin/sh\nexec sleep 600\n")  # starts, never serves a dashboard
     fake_ray.chmod(0o755)
-    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "AGENT", "PROM", "AM")}
     env = _stack_env(tmp_path, ports, RAY_BIN=str(fake_ray), STEPMEM_UP_TIMEOUT_S="5")
     up = ROOT / "deploy" / "local" / "up.sh"
     r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=120)

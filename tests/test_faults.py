@@ -103,6 +103,7 @@ def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_sampl
     )
     recs = {r["step"]: r for r in ray.get(p.handle.step_records.remote(flush=True))}
     health = ray.get(p.handle.health.remote())
+
     # Steps the old process joined died with it (calls in flight at the kill may be retried on
     # the new process, and their steps come back flagged). Events sent while it restarted were
     # retried on the new one: every step from the one after the kill on has a record — flagged

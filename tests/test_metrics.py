@@ -59,7 +59,7 @@ def snapshot(**kw):
         window_s=15.0,
         window_max_bytes=82 * GIB,
         window_min_bytes=80 * GIB,
-        last_record=record(),
+        last_records=[record()],
         samples_total=123456,
         errors={"unknown": 3},
         missed_deadlines=4,
@@ -84,14 +84,22 @@ def registry_with(*snaps):
 def test_values_are_read_at_scrape_time():
     reg = registry_with(snapshot())
     v = reg.get_sample_value
-    assert v("stepmem_step_nvml_peak_bytes", LABELS) == 82 * GIB
-    assert v("stepmem_step_nontorch_bytes", LABELS) == GIB - (600 << 20)
-    assert v("stepmem_step_ledger_bytes", {**LABELS, "kind": "optimizer_state"}) == 13 * GIB
+    step = {**LABELS, "rank": "0"}  # a step is one rank's
+    assert v("stepmem_step_nvml_peak_bytes", step) == 82 * GIB
+    assert v("stepmem_step_nontorch_bytes", step) == GIB - (600 << 20)
+    assert v("stepmem_step_ledger_bytes", {**step, "kind": "optimizer_state"}) == 13 * GIB
     assert v("stepmem_nvml_used_window_max_bytes", LABELS) == 82 * GIB
     assert v("stepmem_sampler_errors_total", {**LABELS, "kind": "unknown"}) == 3
-    assert v("stepmem_torch_alloc_retries_total", LABELS) == 2
-    assert v("stepmem_step_duration_seconds", LABELS) == 1.5
+    assert v("stepmem_torch_alloc_retries_total", step) == 2
+    assert v("stepmem_step_duration_seconds", step) == 1.5
     assert v("stepmem_remote_write_dropped_total", {**LABELS, "reason": "buffer_full"}) == 2
+
+
+def test_ranks_sharing_a_gpu_each_have_their_series():
+    two = [{**record(), "rank": 0, "pid": 10}, {**record(), "rank": 1, "pid": 11, "step": 9}]
+    reg = registry_with(snapshot(last_records=two))
+    assert reg.get_sample_value("stepmem_step", {**LABELS, "rank": "0"}) == record()["step"]
+    assert reg.get_sample_value("stepmem_step", {**LABELS, "rank": "1"}) == 9
 
 
 def test_golden_exposition():
@@ -147,7 +155,7 @@ def test_a_broken_snapshot_never_breaks_the_scrape():
 
 
 def test_before_any_step_only_live_series_are_exported():
-    reg = registry_with(snapshot(last_record=None, remote_write={}))
+    reg = registry_with(snapshot(last_records=[], remote_write={}))
     assert reg.get_sample_value("stepmem_nvml_used_bytes", LABELS) == 81 * GIB
     assert reg.get_sample_value("stepmem_step", LABELS) is None
 

@@ -26,7 +26,14 @@ MIB = 1 << 20
 
 GPU = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-a", "run": "r1", "workload": "finetune"}
 SCRAPED = {**GPU, "job": "stepmem", "instance": "127.0.0.1:9400"}
-PUSHED = {**GPU, "job": "stepmem-steps"}
+PUSHED = {**GPU, "job": "stepmem-steps", "rank": "0"}
+
+
+def rank(r: int) -> dict[str, str]:
+    """Pushed per-step labels of rank ``r`` of a 4-rank run, one GPU each."""
+    return {**GPU, "gpu": str(r), "gpu_uuid": f"GPU-{r}", "job": "stepmem-steps", "rank": str(r)}
+
+
 SEED_RESERVED = f"{int(68.65 * GIB)} {int(81.30 * GIB)} {int(81.79 * GIB)}x60"  # the seed, unpaged
 
 # (alert, input series {name: (labels, values)}, eval time, expected alert labels or None)
@@ -205,6 +212,36 @@ CASES: list[tuple[str, str, dict[str, tuple[dict, str]], str, dict | None]] = [
         {**SCRAPED, "reason": "buffer_full"},
     ),
     (
+        "rank 1 of 4 holds 3 GiB (7.5 %) more than the others",
+        "StepMemRankImbalance",
+        {
+            f"stepmem_step_torch_allocated_peak_bytes@{r}": (
+                rank(r),
+                f"{(40 + (3 if r == 1 else 0)) * GIB}x30",
+            )
+            for r in range(4)
+        },
+        "15m",
+        rank(1),
+    ),
+    (
+        "4 ranks within 1 % of each other",
+        "StepMemRankImbalance",
+        {
+            f"stepmem_step_torch_allocated_peak_bytes@{r}": (rank(r), f"{40 * GIB + r * MIB}x30")
+            for r in range(4)
+        },
+        "15m",
+        None,
+    ),
+    (
+        "one process: no ranks to compare",
+        "StepMemRankImbalance",
+        {"stepmem_step_torch_allocated_peak_bytes": (PUSHED, f"{40 * GIB}x30")},
+        "15m",
+        None,
+    ),
+    (
         "remote write healthy",
         "StepMemRemoteWriteDropping",
         {"stepmem_remote_write_dropped_total": ({**SCRAPED, "reason": "buffer_full"}, "0x10")},
@@ -245,8 +282,9 @@ def generated_tests() -> str:
             {
                 "name": f"{alert}: {title}",
                 "interval": "1m",
-                "input_series": [
-                    {"series": series(n, lab), "values": v} for n, (lab, v) in inputs.items()
+                "input_series": [  # "name@k": the k-th series of one metric
+                    {"series": series(n.split("@")[0], lab), "values": v}
+                    for n, (lab, v) in inputs.items()
                 ],
                 "alert_rule_test": [{"eval_time": at, "alertname": alert, "exp_alerts": exp}],
             }

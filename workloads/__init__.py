@@ -1,5 +1,6 @@
 """Real training workloads for stepmem: ``finetune`` (the seed scenario), ``spiky`` (known
-transients) and ``patterns`` (a leak, an allocator jump, an OOM).
+transients), ``patterns`` (a leak, an allocator jump, an OOM) and ``distributed`` (DDP or
+FSDP2, one probe a rank).
 
 Each is a module with ``parser()``, ``run(args, probe)`` and optionally ``check(args)`` (validates
 values, raises ``ValueError``; no GPU needed) and ``defaults(args)`` (fills what depends on the
@@ -15,7 +16,7 @@ from typing import Any
 
 from collector.errors import InputError
 
-WORKLOADS = ("finetune", "spiky", "patterns")
+WORKLOADS = ("finetune", "spiky", "patterns", "distributed")
 
 
 def load(name: str) -> Any:

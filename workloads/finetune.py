@@ -31,6 +31,15 @@ SHAPES: dict[str, dict[str, int]] = {
         num_key_value_heads=32,
         vocab_size=32000,
     ),
+    # ~1.1B (TinyLlama's shape): the distributed runs on one GPU
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        intermediate_size=5632,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
     # ~0.2B: quick GPU checks
     "small": dict(
         hidden_size=1024,

@@ -48,6 +48,11 @@ IDLE_TIMEOUT_S = 5.0  # a connection that sends nothing this long is closed
 class Snapshot:
     """What one GPU's sampler knows at scrape time."""
 
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The newest step of any process on this GPU."""
+        return max(self.last_records, key=lambda r: r["end_ns"], default=None)
+
     labels: dict[str, str]  # GPU_LABELS → values
     total_bytes: int
     used_bytes: int | None = None
@@ -55,7 +60,7 @@ class Snapshot:
     window_s: float = DEFAULT_WINDOW_S
     window_max_bytes: int | None = None
     window_min_bytes: int | None = None
-    last_record: dict[str, Any] | None = None
+    last_records: list[dict[str, Any]] = field(default_factory=list)  # the newest per rank
     samples_total: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     missed_deadlines: int = 0
@@ -79,14 +84,14 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
     if s.window_max_bytes is not None:
         yield "stepmem_nvml_used_window_max_bytes", {}, s.window_max_bytes
         yield "stepmem_nvml_used_window_min_bytes", {}, s.window_min_bytes or 0
-    rec = s.last_record
-    if rec is not None:
+    for rec in s.last_records:  # one process's newest step each (ranks sharing the GPU)
+        rank = {"rank": str(rec.get("rank") or 0)}
         yield from step_values(rec)
-        yield "stepmem_step_gap", {}, 1 if rec.get("gap") else 0
+        yield "stepmem_step_gap", rank, 1 if rec.get("gap") else 0
         te = rec.get("torch_end") or {}
         if "num_alloc_retries" in te:
-            yield "stepmem_torch_alloc_retries_total", {}, te["num_alloc_retries"]
-            yield "stepmem_torch_ooms_total", {}, te.get("num_ooms", 0)
+            yield "stepmem_torch_alloc_retries_total", rank, te["num_alloc_retries"]
+            yield "stepmem_torch_ooms_total", rank, te.get("num_ooms", 0)
     yield "stepmem_sampler_samples_total", {}, s.samples_total
     for kind, n in (dict.fromkeys(ERROR_KINDS, 0) | s.errors).items():
         yield "stepmem_sampler_errors_total", {"kind": kind}, n

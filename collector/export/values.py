@@ -28,12 +28,18 @@ _COMPONENT = {  # the accounting's names → the `component` label (a fixed set)
 def _account(rec: dict[str, Any]) -> Any:
     """The step's account with the baseline the sampler has seen so far (the report uses the
     whole run's)."""
-    pid = (rec.get("torch_begin") or {}).get("process_pid")
+    pid = rec.get("pid") or (rec.get("torch_begin") or {}).get("process_pid")
     return account(rec, pid, (rec.get("processes") or {}).get("baseline"))
 
 
 def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
-    """``(metric, extra labels, value)`` for every per-step series a step record has data for."""
+    """``(metric, extra labels, value)`` for every per-step series a step record has data for;
+    every one carries the step's ``rank``."""
+    rank = {"rank": str(rec.get("rank") or 0)}
+    return [(name, {**rank, **extra}, value) for name, extra, value in _step_values(rec)]
+
+
+def _step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
     out: list[tuple[str, dict[str, str], float]] = [
         ("stepmem_step", {}, rec["step"]),
         ("stepmem_step_duration_seconds", {}, (rec["end_ns"] - rec["begin_ns"]) / 1e9),

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from collector.probe.ledger import LEDGER_KINDS, LedgerCache, ledger
+from collector.probe.ledger import LEDGER_KINDS, LIVE_KINDS, LedgerCache, UnshardWatch, ledger
 from collector.probe.outbox import Outbox, RaySamplers
 from collector.probe.recording import HISTORY_STEPS, AllocationHistory
 from collector.records import ERROR_PREFIX, StepEvent
@@ -64,6 +64,7 @@ _PATHS = [(k, tuple(k.split("."))) for k in TORCH_KEYS]
 CPU = "cpu"
 RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
+CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ranks in CI)
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 _LOG_PEAKS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
 GIB = 1 << 30
@@ -112,6 +113,17 @@ def distributed_identity() -> tuple[int, int, int | None, bool]:
     if rank is None or world is None or not (0 <= rank < world):
         rank, world = 0, 1
     return rank, world, local, initialized
+
+
+def cpu_stands_in_for() -> str | None:
+    """The GPU UUID a CPU-only process reports as, from ``STEPMEM_CPU_AS`` (a comma-separated
+    list: the one at this process's ``LOCAL_RANK``, modulo its length), so CPU ranks stand in
+    for the GPUs a replay simulates (CI has no GPU); None when unset."""
+    uuids = [u for u in os.environ.get(CPU_AS_ENV, "").split(",") if u.strip()]
+    if not uuids:
+        return None
+    _, _, local, _ = distributed_identity()
+    return uuids[(local or 0) % len(uuids)].strip()
 
 
 def _dig(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -183,6 +195,7 @@ class StepProbe:
         self._baseline: dict[Any, int] = {}
         self._mode: dict[str, int] = {}
         self._ledger_cache = LedgerCache()
+        self._unshard: UnshardWatch | None = None
         self.seq = 0  # the probe's own number of the current (or last) step
         self._pid = os.getpid()
         self._rank, self._world, self._dist_known = 0, 1, False
@@ -193,9 +206,15 @@ class StepProbe:
     # -- set-up ------------------------------------------------------------------------------
 
     def watch(self, model: Any = None, optimizer: Any = None) -> StepProbe:
-        """Give the probe the model and optimizer whose tensors the ledger counts."""
-        if model is not None:
+        """Give the probe the model and optimizer whose tensors the ledger counts (an FSDP2
+        model's local shards, a DDP model's gradient buckets: :mod:`collector.probe.ledger`)."""
+        if model is not None and model is not self.model:
             self.model = model
+            try:
+                self._unshard = UnshardWatch(model)
+            except Exception as exc:  # the ledger goes on without the unsharded peak
+                self.errors[f"unshard_watch:{type(exc).__name__}"] += 1
+                self._unshard = None
         if optimizer is not None:
             self.optimizer = optimizer
         return self
@@ -210,7 +229,8 @@ class StepProbe:
                 "CPU ledger only (no allocator statistics)"
             )
             self._devices = [CPU]
-            self._uuids.setdefault(CPU, "cpu")
+            # a CPU rank standing in for a GPU (tests, CI): its events address that GPU's sampler
+            self._uuids.setdefault(CPU, cpu_stands_in_for() or "cpu")
             return
         idx = self._devices_arg
         if idx is None:
@@ -223,6 +243,9 @@ class StepProbe:
             free, total = torch.cuda.mem_get_info(d)
             self._baseline[d] = (total - free) - torch.cuda.memory_reserved(d)
         self._mode = allocator_mode()
+        rank, world, _, _ = distributed_identity()
+        if self.history is not None and world > 1 and rank != 0:
+            self.history = None  # one rank's history tells the lines; all would collide
         if self.history is not None:
             self.history.attach_oom_observer(lambda: self.step_index)
 
@@ -297,9 +320,12 @@ class StepProbe:
             self.errors[type(exc).__name__] += 1
             return {}
         out = {}
+        unsharded = self._unshard.take() if self._unshard and self._unshard.attached else None
         for d in self.devices:
             dev = torch.device("cpu") if d == CPU else torch.device("cuda", d)
             out[d] = by_device.get(dev, dict.fromkeys(LEDGER_KINDS, 0))
+            if unsharded is not None:  # one device a rank under FSDP2
+                out[d]["unsharded_parameters_peak"] = unsharded
         return out
 
     def _mark(self, kind: str, step: int, phase: str = "") -> None:
@@ -313,8 +339,8 @@ class StepProbe:
                 torch_stats.update(self._mode)
             led = ledgers.get(d, {})
             if led and "allocated_bytes.all.current" in torch_stats:
-                led["other_allocated"] = torch_stats["allocated_bytes.all.current"] - (
-                    led["parameters"] + led["gradients"] + led["optimizer_state"]
+                led["other_allocated"] = torch_stats["allocated_bytes.all.current"] - sum(
+                    led.get(k, 0) for k in LIVE_KINDS
                 )
             ev = StepEvent(
                 kind=kind,

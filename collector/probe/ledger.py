@@ -1,23 +1,76 @@
 """The ledger: bytes of parameters, gradients and optimizer state per device, read from the
 model's and optimizer's own tensors at each step end (:class:`collector.probe.core.StepProbe`
-takes it through :class:`LedgerCache`)."""
+takes it through :class:`LedgerCache`), as this process (this rank) holds them.
+
+How each way of sharding is counted:
+
+* **FSDP2** (``fully_shard``): parameters, their gradients and the optimizer's state are
+  DTensors; the ledger counts each one's *local shard* (``_local_tensor``), what this rank
+  holds. The unsharded (all-gathered) parameters exist only while a group is unsharded, inside
+  forward and backward: :class:`UnshardWatch` follows each FSDP parameter group's transitions
+  and gives the most bytes unsharded at once during the step, ``unsharded_parameters_peak``
+  (gone by the step's end; the all-gather and reduce-scatter buffers around them are
+  transient too, and stepmem sees them only inside the within-step peak).
+* **DDP**: gradients as usual; the reducer's gradient buckets (``bucket_sizes`` of DDP's own
+  logging data) are ``gradient_bucket_bytes``; with ``gradient_as_bucket_view=False`` they are a
+  second copy of the gradients, ``gradient_buckets`` (what ``gradient_as_bucket_view=True``
+  would save), with ``True`` the gradients are views into them and ``gradient_buckets`` is 0.
+* Tensors that share memory (views, tied weights) are counted once.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-__all__ = ["LEDGER_KINDS", "LedgerCache", "ledger"]
+__all__ = ["LEDGER_KINDS", "LedgerCache", "UnshardWatch", "ledger"]
+
+log = logging.getLogger(__name__)
+
+LEDGER_KINDS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "optimizer_state_managed",
+    "gradient_buckets",
+)
+# kinds that are live tensors at step end, by the allocator (``other_allocated`` is the rest)
+LIVE_KINDS = ("parameters", "gradients", "optimizer_state", "gradient_buckets")
+
+
+def _local(t: Any) -> Any:
+    """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _nbytes(t: Any) -> int:
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
-LEDGER_KINDS = ("parameters", "gradients", "optimizer_state", "optimizer_state_managed")
+def _ddp_of(model: Any) -> Any:
+    """The DistributedDataParallel wrapper, if ``model`` is one (or wraps one)."""
+    for m in (model, getattr(model, "module", None)):
+        if m is not None and type(m).__name__ == "DistributedDataParallel":
+            return m
+    return None
+
+
+def _ddp_buckets(ddp: Any) -> tuple[int, bool]:
+    """(bucket bytes, whether gradients are views into them) of a DDP model; (0, True) when
+    DDP does not say (its logging data is what ``torch.nn.parallel`` records itself)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
+        return sum(sizes), bool(getattr(ddp, "gradient_as_bucket_view", False))
+    except Exception as exc:  # another torch: the ledger goes on without buckets
+        log.debug("DDP bucket sizes unavailable: %s", exc)
+        return 0, True
 
 
 def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]]:
-    """Bytes of parameters, gradients and optimizer state, per ``torch.device`` they live on.
+    """Bytes of parameters, gradients and optimizer state, per ``torch.device`` they live on,
+    as this rank holds them (see the module docstring for FSDP2 and DDP).
 
     Paged (managed) bitsandbytes state — CPU tensors marked ``is_paged`` — is attributed to
     ``cuda:<page_deviceid>`` under ``optimizer_state_managed``. Tensors are deduplicated by data
@@ -29,17 +82,26 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
     seen: set[int] = set()
 
     def add(device: Any, kind: str, t: Any) -> None:
+        t = _local(t)
         ptr = t.data_ptr()
-        if ptr in seen:
+        if ptr in seen and ptr:
             return
         seen.add(ptr)
         out.setdefault(device, dict.fromkeys(LEDGER_KINDS, 0))[kind] += _nbytes(t)
 
     if model is not None:
         for p in model.parameters():
-            add(p.device, "parameters", p)
+            add(_local(p).device, "parameters", p)
             if p.grad is not None:
-                add(p.grad.device, "gradients", p.grad)
+                add(_local(p.grad).device, "gradients", p.grad)
+        ddp = _ddp_of(model)
+        if ddp is not None:
+            buckets, views = _ddp_buckets(ddp)
+            dev = next((_local(p).device for p in ddp.parameters()), None)
+            if dev is not None and buckets:
+                led = out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))
+                led["gradient_bucket_bytes"] = buckets
+                led["gradient_buckets"] = 0 if views else buckets
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
@@ -49,7 +111,7 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
                     dev = torch.device("cuda", getattr(v, "page_deviceid", 0) or 0)
                     add(dev, "optimizer_state_managed", v)
                 else:
-                    add(v.device, "optimizer_state", v)
+                    add(_local(v).device, "optimizer_state", v)
     return out
 
 
@@ -61,7 +123,8 @@ class LedgerCache:
     created (the first ``optimizer.step()``), so the full pass is redone only when
     ``len(optimizer.state)`` changes, or every ``refresh_steps`` steps. Per step, gradients are
     counted from cached parameter sizes for
-    every parameter whose ``.grad`` is set (gradients have their parameter's size and device).
+    every parameter whose ``.grad`` is set (gradients have their parameter's size and device:
+    under FSDP2 the local shard's).
     """
 
     def __init__(self, refresh_steps: int = 100) -> None:
@@ -77,7 +140,9 @@ class LedgerCache:
         if n_state != self._n_state or step - self._taken_at >= self.refresh_steps:
             self._static = ledger(model, optimizer)
             self._params = (
-                [(p, p.device, _nbytes(p)) for p in model.parameters()] if model is not None else []
+                [(p, _local(p).device, _nbytes(p)) for p in model.parameters()]
+                if model is not None
+                else []
             )
             self._n_state = n_state
             self._taken_at = step
@@ -89,3 +154,72 @@ class LedgerCache:
             if p.grad is not None:
                 out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))["gradients"] += nbytes
         return out
+
+
+class UnshardWatch:
+    """The most bytes of FSDP2 parameters unsharded at once since the last :meth:`take`.
+
+    FSDP2 all-gathers a parameter group before its module's forward (and again before its
+    backward) and frees the unsharded copy after (``reshard_after_forward``); with prefetching,
+    two groups may be unsharded together. The watch wraps each FSDP parameter group's
+    ``_to_unsharded`` / ``_to_sharded`` / ``_to_sharded_post_forward`` — the transitions
+    FSDP2's own ``FSDPMemTracker`` follows through the group's hooks — and keeps a running
+    count: a few Python calls per group per step, nothing per tensor. ``attached`` is 0 when
+    the model has no FSDP2 module (or a torch whose FSDP2 lacks these methods)."""
+
+    def __init__(self, model: Any) -> None:
+        self.current = 0
+        self.peak = 0
+        self.attached = 0
+        self._sizes: dict[int, int] = {}
+        for module in getattr(model, "modules", lambda: [])():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            try:
+                group = get_state()._fsdp_param_group
+            except Exception:
+                continue
+            if group is not None and self._wrap(group):
+                self.attached += 1
+
+    def _wrap(self, group: Any) -> bool:
+        names = ("_to_unsharded", "_to_sharded", "_to_sharded_post_forward")
+        if not all(hasattr(group, n) for n in names) or getattr(group, "_stepmem_watch", None):
+            return False
+
+        def around(orig: Any) -> Any:
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                was = bool(group.is_unsharded)
+                out = orig(*args, **kwargs)
+                now = bool(group.is_unsharded)
+                if now and not was:
+                    self._unsharded(group, +1)
+                elif was and not now:
+                    self._unsharded(group, -1)
+                return out
+
+            return inner
+
+        for name in names:
+            setattr(group, name, around(getattr(group, name)))
+        group._stepmem_watch = self
+        return True
+
+    def _unsharded(self, group: Any, sign: int) -> None:
+        key = id(group)
+        if key not in self._sizes:  # the first time it is unsharded: its params are there
+            try:
+                self._sizes[key] = sum(
+                    fp.unsharded_param.numel() * fp.unsharded_param.element_size()
+                    for fp in group.fsdp_params
+                )
+            except Exception:
+                self._sizes[key] = 0
+        self.current = max(0, self.current + sign * self._sizes[key])
+        self.peak = max(self.peak, self.current)
+
+    def take(self) -> int:
+        """The peak since the last call; the next period starts from what is unsharded now."""
+        peak, self.peak = self.peak, self.current
+        return peak

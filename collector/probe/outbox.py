@@ -94,12 +94,22 @@ class Outbox:
         return d
 
     def maybe_flush(self) -> None:
-        """Start the sender on first use; wake it early when a batch is full. Never blocks."""
+        """Start the sender on first use; wake it early when a batch is full, or at every step
+        end when events go to the spool (a rank that crashes or is killed has then lost at
+        most the step it was in: a file append on the sender thread, nothing on this one).
+        Never blocks."""
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._run, name="stepmem-outbox", daemon=True)
             self._thread.start()
-        if any(len(v) >= self.batch_max for v in self._pending.values()):
+        if self._spooling() or any(len(v) >= self.batch_max for v in self._pending.values()):
             self._wake.set()
+
+    def _spooling(self) -> bool:
+        """Whether this process's events go to the spool (it has one, and no Ray)."""
+        if self._spool is None:
+            return False
+        ray = sys.modules.get("ray")
+        return ray is None or not ray.is_initialized()
 
     def wake(self) -> None:
         """Have the sender run now (started on first use). Never blocks."""
@@ -179,6 +189,13 @@ class Outbox:
         if handle is None:
             if self._spool is not None and self._to_spool(batch):
                 return
+            if not self.dropped["no_sampler"]:  # said once; every one is counted
+                log.warning(
+                    "stepmem: no sampler for GPU %s reachable from this process (no stepmem run "
+                    "or daemon here, or no Ray connection and no spool folder): its step events "
+                    "are counted as unsent; training goes on",
+                    uuid,
+                )
             self.dropped["no_sampler"] += len(batch)
             return
         try:

@@ -66,8 +66,8 @@ echo $! > "$dir/alertmanager.pid"
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-30} \
   setsid python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL)
 os.execvp(sys.argv[1], sys.argv[1:])' "$ray_bin" start --head --block --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
-  --port="$ray_port" --dashboard-port="$dash_port" --disable-usage-stats \
-  > "$dir/ray.log" 2>&1 &
+  --port="$ray_port" --dashboard-port="$dash_port" --dashboard-agent-listen-port="$agent_port" \
+  --disable-usage-stats > "$dir/ray.log" 2>&1 &
 echo $! > "$dir/ray.pid"
 echo "127.0.0.1:$ray_port" > "$dir/ray.address"
 
