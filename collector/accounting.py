@@ -104,6 +104,16 @@ class Account:
     remainder: int = 0
     read_after_ms: float | None = None  # the per-process reading's delay after the end mark
     outside_all: int = 0  # everything outside torch's reserved pool beyond the probe's baseline
+    before: int | None = None  # the probe's reading before training (device used - reserved)
+
+    @property
+    def first_use(self) -> int:
+        """Of the baseline, what appeared outside torch after the probe's reading before
+        training and stayed: libraries that allocate on first use (NCCL's communicator
+        buffers at the first collective, cuBLAS workspaces). 0 when unknown."""
+        if self.before is None or self.unsplit is not None:
+            return 0
+        return max(0, self.baseline - self.before)
 
     @property
     def cached_free(self) -> int:
@@ -145,10 +155,9 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
     )
     led = r.get("ledger") or {}
     if led:
-        a.live = {
-            k: int(led.get(k, 0))
-            for k in ("parameters", "gradients", "optimizer_state", "other_allocated")
-        }
+        kinds = ("parameters", "gradients", "optimizer_state", "gradient_buckets")
+        a.live = {k: int(led.get(k, 0)) for k in kinds if k in led and (led[k] or k in kinds[:3])}
+        a.live["other_allocated"] = int(led.get("other_allocated", 0))
     procs = (r.get("processes") or {}).get("procs")
     snap_used = (r.get("processes") or {}).get("device_used")
     mine = [p for p in procs or [] if pid is not None and int(p[0]) == pid]
@@ -156,6 +165,7 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
     if mine and moved is not None and moved <= TRUSTED_REMAINDER and baseline is not None:
         this = int(mine[0][1] or 0)
         a.baseline = baseline
+        a.before = _t(r, "torch_end", "context_baseline_bytes")
         a.outside = this - reserved - baseline
         a.others = [
             (int(p[0]), str(p[2]) if len(p) > 2 else "", int(p[1] or 0))

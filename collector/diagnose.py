@@ -70,6 +70,8 @@ MATCH_FRACTION = 0.15
 MATCH_BYTES = 128 * MIB
 TRANSIENT_BYTES = 256 * MIB
 POOL_SHARE = 0.8
+APPEARING = ("optimizer_state", "optimizer_state_managed", "gradients", "gradient_buckets")
+FIRST_USE_BYTES = 64 * MIB  # memory outside torch that appeared on first use, said from here
 
 
 @dataclass
@@ -233,11 +235,19 @@ def _outside(ended: list[dict[str, Any]], nt: int, managed: int) -> Finding:
         )
     others = ", ".join(f"pid {pid} {name[:40]!r} {g(b)}" for pid, name, b in a.others)
     nums.update(outside=a.outside, others=a.other_processes, no_process=a.no_process)
+    base = "CUDA context, libraries loaded before step 1"
+    if a.first_use >= FIRST_USE_BYTES:
+        nums["first_use"] = a.first_use
+        base = (
+            f"{g(a.before or 0)} of CUDA context before training, and {g(a.first_use)} outside "
+            "torch that appeared on first use and stayed: NCCL's communicator buffers at the "
+            "first collective, cuBLAS workspaces"
+        )
     return Finding(
         "nontorch",
         f"At the end of step {a.step}, {g(a.device_used - a.reserved - a.baseline)} of NVML "
         f"used is outside the torch allocator beyond this process's baseline ({g(a.baseline)}: "
-        f"CUDA context, libraries loaded before step 1). By NVML's per-process readings: "
+        f"{base}). By NVML's per-process readings: "
         f"{g(a.outside or 0)} in this process outside torch (NCCL, cuBLAS, raw cudaMalloc, "
         f"another library), {g(a.other_processes)} in other processes"
         + (f" ({others})" if others else "")
@@ -345,11 +355,18 @@ def _identity(a: Account) -> Finding:
             f"{g(a.other_processes)} + no process (managed/UVM) {g(a.no_process or 0)} + "
             f"remainder {g(a.remainder)}{when}"
         )
+    base = g(a.baseline)
+    if a.first_use >= FIRST_USE_BYTES:
+        base += (
+            f" ({g(a.before or 0)} before training, the CUDA context; {g(a.first_use)} that "
+            "appeared outside torch on first use during training and stayed: NCCL's "
+            "communicator buffers, cuBLAS workspaces)"
+        )
     return Finding(
         "accounting",
         f"Every byte at the end of step {a.step}: NVML used {g(a.device_used)} = baseline "
-        f"{g(a.baseline)} + {torch_part} + {rest}.",
-        {"step": a.step, **{k: v for k, v in a.components().items()}},
+        f"{base} + {torch_part} + {rest}.",
+        {"step": a.step, "first_use": a.first_use, **{k: v for k, v in a.components().items()}},
     )
 
 
@@ -525,7 +542,9 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
                 "reserved_jump": d_res,
                 "allocated_peak_growth": d_peak,
             }
-            if _matches(d_peak, d_res):
+            if _matches(d_peak, d_res) or d_peak > d_res:
+                # the peak grew at least as much: the allocator reserved the higher peak (what
+                # it did not reserve anew came from blocks it already cached)
                 text += (
                     f"The within-step allocated peak grew by {g(d_peak)} between the same "
                     "steps: the allocator reserved the higher peak and kept it."
@@ -534,22 +553,24 @@ def _rule_jumps(s: _Steps) -> list[Finding]:
                 grown = {
                     kind: v - (before or {}).get(kind, 0)
                     for kind, v in (prev.get("ledger") or {}).items()
-                    # state that appears during training; parameters exist before it
-                    if kind in ("optimizer_state", "optimizer_state_managed")
+                    # what appears during training (parameters exist before it); gradients
+                    # and DDP's buckets stay when they are zeroed rather than set to None
+                    if kind in APPEARING
                 }
-                if grown:
-                    kind = max(grown, key=lambda k: grown[k])
-                    if grown[kind] > JUMP_BYTES:
-                        text += (
-                            f" {kind.replace('_', ' ')} ({g(grown[kind])}) appeared in step "
-                            f"{prev['step']} and was resident during step {cur['step']}"
-                        )
-                        nums["new_state"], nums["new_state_bytes"] = kind, grown[kind]
-                        phase = _peak_phase(cur)
-                        if phase:
-                            text += f", whose peak falls in its {phase.replace('_', '/')} phase"
-                            nums["peak_phase"] = phase
-                        text += "."
+                new = sorted((k for k in grown if grown[k] > JUMP_BYTES), key=lambda k: -grown[k])
+                if new:
+                    listed = " and ".join(f"{k.replace('_', ' ')} ({g(grown[k])})" for k in new)
+                    text += (
+                        f" {listed[0].upper()}{listed[1:]} appeared in step {prev['step']} and "
+                        f"{'was' if len(new) == 1 else 'were'} resident during step {cur['step']}"
+                    )
+                    nums["new_state"], nums["new_state_bytes"] = new[0], grown[new[0]]
+                    nums["new_kinds"] = {k: grown[k] for k in new}
+                    phase = _peak_phase(cur)
+                    if phase:
+                        text += f", whose peak falls in its {phase.replace('_', '/')} phase"
+                        nums["peak_phase"] = phase
+                    text += "."
                 elif not prev.get("ledger"):
                     text += _kept_without_ledger(prev, cur, nums)
                 nums["cause"] = "peak"

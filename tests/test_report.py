@@ -40,7 +40,7 @@ def test_unpaged_step_2_jump_is_explained_by_the_optimizer_state():
     assert n["new_state_bytes"] / GIB == pytest.approx(13.48, abs=0.01)
     assert n["peak_phase"] == "forward_backward"
     assert (
-        "12.65 GiB" in jump.text and "optimizer state (13.48 GiB) appeared in step 1" in jump.text
+        "12.65 GiB" in jump.text and "Optimizer state (13.48 GiB) appeared in step 1" in jump.text
     )
     assert f["steady_state"].numbers["step"] == 3
     # the largest NVML peak is named with the phase it falls in

@@ -33,15 +33,16 @@ MIB = 1 << 20
 TRACK_STEP = 2
 
 
-def _init_group() -> tuple[Any, bool]:
+def _init_group(backend: str | None = None) -> tuple[Any, bool]:
     """torch.distributed, initialized here unless the launcher (Ray Train) did: from torchrun's
-    environment, else a group of one. Returns (dist, whether this function made the group)."""
+    environment, else a group of one; NCCL on GPUs, gloo on the CPU (or ``backend``: gloo lets
+    several ranks share one GPU). Returns (dist, whether this function made the group)."""
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return dist, False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend)
     else:
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     """Train ``args.steps`` steps on this rank; returns its summary."""
     import torch
 
-    dist, made = _init_group()
+    dist, made = _init_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     model = build(args, device)
@@ -225,6 +226,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--bucket-view", action="store_true", help="DDP: gradient_as_bucket_view=True")
     p.add_argument("--imbalance", metavar="RANK:MIB:FROM_STEP", help="one rank keeps more")
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        help="process group backend when this process makes the group (default: nccl on a "
+        "GPU, gloo on the CPU; gloo lets ranks share one GPU)",
+    )
     p.add_argument("--track", metavar="FILE", help="step 2 under PyTorch's memory tracker")
     p.add_argument("--no-probe", action="store_true")
     p.add_argument("--summary", type=Path, help="also write this rank's summary (JSON) here")

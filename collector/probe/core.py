@@ -380,7 +380,7 @@ class StepProbe:
         self._identify()
         self._step_cost = 0
         self._begin_t = self._clock()
-        if self.history is not None and self._cuda_ready():
+        if self._cuda_ready() and self.history is not None:  # set-up may turn history off
             self.history.begin(step)
         self._mark("begin", step)
 
