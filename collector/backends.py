@@ -54,6 +54,8 @@ class ReplayControl(Protocol):
 
     def read_at(self, t_ns: int) -> tuple[int, int]: ...
 
+    def sample_at(self, t_ns: int) -> tuple[int, int, int, int]: ...
+
 
 class Backend(Protocol):
     """The GPUs of one node."""

@@ -437,6 +437,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         workloads.parse(ns.workload or "finetune", ns.workload_args)  # before anything starts
     kind = _backend_kind(ns.backend)
     if kind == "replay":
+        stand_ins = "--command" if ns.run_command else "--train-workers" if ns.train_workers else ""
+        if stand_ins and ns.backend == "auto":
+            raise UserError(
+                f"stepmem run: {stand_ins} needs the live NVML backend (a GPU), and this machine "
+                "has none; with --backend replay its CPU processes stand in for the replayed GPUs"
+            )
         if ns.script is not None:
             raise UserError(
                 "stepmem run: --script needs the live NVML backend (a GPU); the replay backend "

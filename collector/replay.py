@@ -439,11 +439,23 @@ class ReplayDevice:
         return self.read_at(self._clock())
 
     def read_at(self, t_ns: int) -> tuple[int, int]:
-        """The values in force at monotonic ``t_ns`` (the sampler stamps its sample with the
-        same ``t_ns``: a thread preempted between reading and stamping cannot move a value in
-        time)."""
+        """The values in force at monotonic ``t_ns``."""
         i = self._index(t_ns)
         return int(self._used[i]), int(self._reserved[i])
+
+    def sample_at(self, t_ns: int) -> tuple[int, int, int, int]:
+        """The captured sample in force at monotonic ``t_ns``, as ``(key, stamp, used,
+        reserved)``: ``key`` tells one captured sample (on one lap) from another, ``stamp`` is
+        the monotonic time that sample was taken at on the replay's clock (never later than
+        ``t_ns``). The sampler keeps each captured sample once, at its own time, so a replay
+        holds the capture's readings and nothing between them: a value the capture held from
+        −2.4 ms to +1.2 ms around a step mark is one sample at −2.4 ms, not a reading at
+        +0.3 ms that the GPU never gave."""
+        i = self._index(t_ns)
+        pos = int((t_ns - self.origin_ns) * self.speed)
+        lap = pos // self._period if self.loop and pos > 0 else 0
+        stamp = min(t_ns, self.monotonic_of(int(self._t[i]), lap))
+        return lap * len(self._t) + i, stamp, int(self._used[i]), int(self._reserved[i])
 
     def memory(self) -> MemoryInfo:
         used, reserved = self.read()

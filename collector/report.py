@@ -472,8 +472,6 @@ def sampling_line(meta: dict[str, Any]) -> str:
         f"–{max(rates):.0f}" if round(max(rates)) != round(min(rates)) else ""
     )
     line = f"Sampling: {span} Hz achieved{aim}; {missed:,} sampling deadlines missed"
-    if isinstance(target, int | float) and target and min(rates) < 0.5 * target:
-        line += " — the samplers got too little CPU: short transients may be missed"
     coarse = max(
         (
             int(s.get("resolution_ns") or 0)
@@ -482,6 +480,12 @@ def sampling_line(meta: dict[str, Any]) -> str:
         ),
         default=0,
     )
+    # a replay holds the capture's samples: it cannot be faster than the capture was taken
+    reachable = target if isinstance(target, int | float) else 0
+    if coarse and reachable:
+        reachable = min(reachable, 1e9 / coarse)
+    if reachable and min(rates) < 0.5 * reachable:
+        line += " — the samplers got too little CPU: short transients may be missed"
     if coarse > 2_000_000:
         line += (
             f". The NVML trace resolves {coarse / 1e6:.0f} ms (the capture's own rate): "

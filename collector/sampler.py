@@ -289,18 +289,21 @@ class Sampler:
 
     def _run(self) -> None:
         append, clock = self.ring.append, self._clock
-        read_at = getattr(self.device, "read_at", None)
-        if read_at is None:  # live NVML: stamped when the reading arrived
+        sample_at = getattr(self.device, "sample_at", None)
+        if sample_at is None:  # live NVML: stamped when the reading arrived
 
             def sample() -> None:
                 used, reserved = self.device.read()
                 append(clock(), used, reserved)
-        else:  # a replay shows the value of the very moment it is stamped with
+        else:  # a replay keeps each captured sample once, at the time it was captured
+            last = [-1, 0]  # the captured sample last kept, its stamp
 
             def sample() -> None:
-                t = clock()
-                used, reserved = read_at(t)
-                append(t, used, reserved)
+                key, stamp, used, reserved = sample_at(clock())
+                if key != last[0]:
+                    stamp = max(stamp, last[1] + 1)  # timestamps never go back
+                    append(stamp, used, reserved)
+                    last[0], last[1] = key, stamp
 
         period = self.period_ns
         sleep, max_sleep = time.sleep, MAX_SLEEP_NS
@@ -532,7 +535,7 @@ class StepJoiner:
             edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
             if int(np.diff(edges).max()) > sampler.gap_threshold_ns:
                 flags.append("stall")
-        period = sampler.period_ns
+        period = sampler.resolution_ns  # a replay: the capture's own period when coarser
         expected = (end.t_ns - begin.t_ns) / period if period else 0
         if expected >= UNDERSAMPLED_MIN and len(w) < UNDERSAMPLED_SHARE * expected:
             flags.append("undersampled")  # a starved sampler: a short transient may be missed

@@ -145,10 +145,11 @@ def rank(r, world, done):
     probe = StepProbe().watch(model, opt)
     for step in range(1, 5):
         probe.begin(step)
-        if r == 1 and step == 3:  # crash inside step 3, once rank 0 has finished
+        if r == 1 and step == 3:  # crash 2 s into step 3, once rank 0 has finished
             deadline = time.monotonic() + 60
             while not Path(done).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            time.sleep(2)
             os._exit(17)
         model(torch.randn(8, 256)).sum().backward()
         opt.step()

@@ -302,3 +302,19 @@ def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
         ScriptRunner(JobOptions(script=script, workload_args=[str(out), "3"])).run(
             ob, lambda *_: None
         )
+
+
+def test_a_bug_in_the_probe_never_reaches_the_training_loop(monkeypatch, caplog):
+    """Telemetry never hurts training: an unexpected error inside a mark (a stepmem bug) is
+    counted and logged once, and the step goes on."""
+    probe = StepProbe(outbox=Outbox(None))
+
+    def broken(*a, **k):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(probe, "_mark", broken)
+    for i in (1, 2):
+        with probe.step(i):
+            pass
+    assert probe.errors["internal:ValueError"] == 4  # two begins, two ends
+    assert caplog.text.count("the probe's begin failed") == 1

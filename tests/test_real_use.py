@@ -396,3 +396,35 @@ def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, record_fault)
         "interrupted)",
         seconds_kept=round(cap.duration_ns / 1e9, 1),
     )
+
+
+def test_a_replay_shows_the_captures_own_end_readings(tmp_path, record_fault):
+    """The spiky capture releases each transient just before its step's end mark: every step
+    the replay did not flag ends at the capture's 1.72 GiB — the transient never shows as
+    end-of-step memory (a sample is stamped with the moment whose value it shows) — and
+    peaks at the capture's value."""
+    from collector.replay import Capture, resolve_capture
+
+    cap = Capture.load(resolve_capture("spiky"))
+    res = stepmem("run", "--capture", "spiky", "--store", str(tmp_path / "runs"), "--run-id", "sp")
+    assert res.returncode == 0, res.stderr
+    recs = RunStore(tmp_path / "runs" / "sp").records()
+    begins = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "begin"}
+    ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
+    clean = [r for r in recs if not r.gap]
+    assert len(recs) == 40 and len(clean) >= 30, [r.gap for r in recs]
+    wrong_end = [r.step for r in clean if r.nvml_end_bytes != cap.used[-1]]
+    wrong_peak = [
+        r.step
+        for r in clean
+        if r.nvml_peak_bytes != cap.max_in_force(begins[r.step], ends[r.step])
+    ]
+    assert wrong_end == [] and wrong_peak == [], (wrong_end, wrong_peak)
+    record_fault(
+        "the spiky capture replayed at 1x (transients of 512 MiB-4 GiB released just before "
+        "each step's end)",
+        "every step not flagged ends at the capture's own reading (1.72 GiB) and peaks at its "
+        "transient: none shows the transient as end-of-step memory",
+        steps_flagged=len(recs) - len(clean),
+        wrong_end_readings=len(wrong_end),
+    )

@@ -115,6 +115,25 @@ def distributed_identity() -> tuple[int, int, int | None, bool]:
     return rank, world, local, initialized
 
 
+def _never_raises(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A probe call the training loop makes: a bug in stepmem is counted
+    (``errors["internal:<type>"]``) and logged once, never raised into training."""
+    import functools
+
+    @functools.wraps(method)
+    def inner(self: StepProbe, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            key = f"internal:{type(exc).__name__}"
+            if not self.errors[key]:
+                log.exception("stepmem: the probe's %s failed (training goes on)", method.__name__)
+            self.errors[key] += 1
+            return None
+
+    return inner
+
+
 def cpu_stands_in_for() -> str | None:
     """The GPU UUID a CPU-only process reports as, from ``STEPMEM_CPU_AS`` (a comma-separated
     list: the one at this process's ``LOCAL_RANK``, modulo its length), so CPU ranks stand in
@@ -370,6 +389,7 @@ class StepProbe:
 
     # -- the step contract -------------------------------------------------------------------
 
+    @_never_raises
     def begin(self, step: int) -> None:
         """Mark the start of step ``step``: the caller's number for it (it may restart each
         epoch; the probe numbers steps itself too, ``seq``, so none is lost or merged)."""
@@ -384,6 +404,7 @@ class StepProbe:
             self.history.begin(step)
         self._mark("begin", step)
 
+    @_never_raises
     def phase(self, name: str) -> None:
         """Mark the start of a phase inside the current step (e.g. ``"optimizer"``). The peaks
         carried by this mark are those of the phase that just ended."""
@@ -394,6 +415,7 @@ class StepProbe:
         if self.history is not None:
             self.history.mark(self.step_index, "phase", name)
 
+    @_never_raises
     def end(self) -> None:
         """Mark the end of the current step, take the ledger, and send what is due."""
         if self.step_index is None:
@@ -407,6 +429,7 @@ class StepProbe:
         self.outbox.maybe_flush()
         self.cost_ns.append(self._step_cost + time.perf_counter_ns() - t0)
 
+    @_never_raises
     def fail(self, exc: BaseException | None = None) -> None:
         """End the current step as failed (the training step raised ``exc``, e.g. a CUDA OOM):
         its record is kept with the allocator's figures at the failure and ``error`` naming the
@@ -476,6 +499,7 @@ class StepProbe:
             out["stepmem/nvml_step"] = float(top["step"])
         return out
 
+    @_never_raises
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""
         self.outbox.close()
