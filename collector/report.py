@@ -41,7 +41,7 @@ def _c(v: float | None, missing: str = "") -> str:
     return missing if v is None else f"{v / GIB:.2f}"
 
 
-def _row(r: dict[str, Any], seq: bool) -> list[str]:
+def _row(r: dict[str, Any], seq: bool, shared: bool = False) -> list[str]:
     te, led = r.get("torch_end") or {}, r.get("ledger") or {}
     gap = " ".join(x for x in (r.get("gap"), r.get("error") and "FAILED") if x)
     return [
@@ -53,7 +53,7 @@ def _row(r: dict[str, Any], seq: bool) -> list[str]:
         _c(te.get("allocated_bytes.all.current")),
         _c(r.get("torch_reserved_peak_bytes")),
         _c(te.get("reserved_bytes.all.current")),
-        _c(nontorch_bytes(r)),
+        "—" if shared else _c(nontorch_bytes(r)),  # a shared GPU's NVML is every rank's
         _c(led.get("parameters")),
         _c(led.get("gradients")),
         _c(led.get("optimizer_state")),
@@ -102,7 +102,13 @@ def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
             left = nxt - prev - 1
             table.add_row(*(["⋯"] * (len(COLUMNS) + seq - 1)), f"{left} steps")
             continue
-        table.add_row(*_row(recs[i], seq))
+        table.add_row(*_row(recs[i], seq, several))
+    if several:
+        table.caption = (
+            "This GPU is shared by several ranks: NVML figures are the whole device's, so "
+            "non-torch is left out here; each rank's own memory outside torch is in its "
+            "accounting below."
+        )
     return table
 
 
@@ -244,26 +250,36 @@ def _fleet_rows(run: Run) -> list[_FleetRow]:
 
 
 def imbalance(rows: list[_FleetRow]) -> list[dict[str, Any]]:
-    """Ranks whose highest torch allocated peak lies further than :data:`IMBALANCE_FRACTION`
-    (and :data:`IMBALANCE_BYTES`) from the median of all ranks, each with the ledger component
-    that differs most from the median rank's (parameters, gradients, optimizer state, other
+    """Ranks whose highest torch allocated peak lies more than :data:`IMBALANCE_FRACTION`
+    (and :data:`IMBALANCE_BYTES`) above the median of all ranks (with two ranks: above the
+    lower one), each with the ledger component that differs most from the median rank's (parameters, gradients, optimizer state, other
     allocated: activations and temporaries)."""
     import statistics
 
     ranked = [r for r in rows if r.alloc is not None and not r.lost]
     if len(ranked) < 2:
         return []
-    med = statistics.median(r.alloc for r in ranked)
+    # what the ranks are held against: the median, or with two ranks the lower of them (the
+    # median of two is their mean, and would make both look odd)
+    med = (
+        statistics.median(r.alloc for r in ranked)
+        if len(ranked) > 2
+        else min(r.alloc for r in ranked)
+    )
 
     def ledger(row: _FleetRow) -> dict[str, int]:
         last = next((r for r in reversed(row.stream.records) if r.get("ledger")), None)
         return {k: int((last or {}).get("ledger", {}).get(k, 0)) for k in _LEDGER_PARTS}
 
-    parts_med = {k: statistics.median(ledger(r)[k] for r in ranked) for k in _LEDGER_PARTS}
+    if len(ranked) > 2:
+        parts_med = {k: statistics.median(ledger(r)[k] for r in ranked) for k in _LEDGER_PARTS}
+    else:
+        parts_med = ledger(min(ranked, key=lambda r: r.alloc))
     out = []
     for row in ranked:
         diff = row.alloc - med
-        if abs(diff) <= max(IMBALANCE_FRACTION * med, IMBALANCE_BYTES):
+        # only ranks above: the alert's rule (StepMemRankImbalance), and the rank to look at
+        if diff <= max(IMBALANCE_FRACTION * med, IMBALANCE_BYTES):
             continue
         led = ledger(row)
         deltas = {k: led[k] - parts_med[k] for k in _LEDGER_PARTS}
@@ -395,10 +411,11 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
                 name = "other allocated (activations, temporaries)"
             diff = x["component_diff"] / GIB
             what = f"; the ledger component that differs most: {name} ({diff:+.2f} GiB)"
+        against = "the median of the ranks" if len(rows) > 2 else "the other rank"
         out.append(
             f"Rank {x['rank']} (GPU {x['gpu']}) is out of balance: its allocated peak "
             f"{g(x['alloc_peak'])} is {x['diff'] / GIB:+.2f} GiB "
-            f"({100 * x['diff'] / x['median']:+.0f} %) from the median of the ranks "
+            f"({100 * x['diff'] / x['median']:+.0f} %) above {against} "
             f"({g(x['median'])}){what}."
         )
     most = max((len(row.stream.records) for row in rows), default=0)

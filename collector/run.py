@@ -119,7 +119,7 @@ def choose_backend(opts: JobOptions) -> tuple[BackendSpec, str]:
                 "read; use --backend replay, or --address of a Ray cluster with GPU nodes"
             )
         return BackendSpec("nvml"), (
-            f"stepmem: live NVML backend, workload {opts.workload}, "
+            f"stepmem: live NVML backend, {what_runs(opts)}, "
             f"sampling at {opts.sampler.sampling.rate}"
         )
     stand_ins = opts.command or bool(opts.train_workers)  # CPU processes bring the steps

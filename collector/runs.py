@@ -223,6 +223,19 @@ class Stream:
         return f" {who}" + (f" (pid {self.pid})" if self.pid else "")
 
 
+def _name_ranks(streams: list[Stream]) -> None:
+    """In each record's per-process reading, the processes that are this run's other ranks on
+    the GPU are named as such (NVML knows them only by pid and command line)."""
+    names = {s.pid: f"rank {s.rank} of this run" for s in streams if s.pid}
+    for s in streams:
+        for i, r in enumerate(s.records):
+            procs = (r.get("processes") or {}).get("procs")
+            if not procs or not any(p[0] in names for p in procs):
+                continue
+            renamed = [[p[0], p[1], names.get(p[0], p[2] if len(p) > 2 else "")] for p in procs]
+            s.records[i] = {**r, "processes": {**r["processes"], "procs": renamed}}
+
+
 class Run:
     """One run's step records: per GPU (``by_gpu``, in sampler index order, then any GPU the
     records name that no sampler lists) and per stream (``streams``), and the GPUs' capacities."""
@@ -253,6 +266,8 @@ class Run:
             self.streams += sorted(by_pid.values(), key=lambda s: (s.rank, s.pid))
             if not by_pid:
                 self.streams.append(Stream(uuid, i, 0, 0, 1))
+            if len(by_pid) > 1:  # ranks sharing the GPU see each other in NVML's process list
+                _name_ranks(list(by_pid.values()))
         for uuid, recs in self.by_gpu.items():
             total = self.totals.get(uuid)
             for r in recs:

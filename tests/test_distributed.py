@@ -214,6 +214,15 @@ def test_a_rank_out_of_balance_is_named_with_the_component_that_differs():
     assert "out of balance" not in _fleet(8)
 
 
+def test_only_ranks_above_are_out_of_balance():
+    # a rank 6 GiB under the others holds less, which is what the other ranks should envy
+    assert "out of balance" not in _fleet(8, odd=3, extra=-6 * GIB)
+    # two ranks: the higher one is held against the lower, and the lower is not named
+    two = _fleet(2, odd=1, extra=6 * GIB)
+    assert "Rank 1 (GPU 1) is out of balance" in two and "above the other rank" in two
+    assert "optimizer state (+6.00 GiB)" in two and "Rank 0 (GPU 0) is out" not in two
+
+
 def test_the_fleet_of_64_ranks_stays_readable():
     fleet = _fleet(64, odd=17, extra=6 * GIB)
     table = [ln for ln in fleet.splitlines() if ln.startswith("│")]
