@@ -30,13 +30,16 @@ FILES = [
     "tests/test_job_submit.py",
     "tests/test_trust.py",
     "tests/test_deploy.py",
+    "tests/test_hostile.py",
+    "tests/test_real_use.py",
+    "tests/test_distributed.py",
 ]
 SELECT = (
     "nvml_errors or killed_mid_run or buffered_steps or a_400 or credentials or 5xx or "
     "slow_receiver or malformed or sigkill or write_failures or bad_input or corrupt_and_foreign "
     "or not_a_run or sigterm or job_stop or recorded_oom or dead_sampler or stalled_sampler or "
     "stopped_by_ray_job_stop or test_trust or a_429 or stale_markers or local_quick_start or "
-    "local_stack or loopback_address"
+    "local_stack or loopback_address or test_hostile or test_real_use or test_distributed"
 )
 FIGURE_KEYS_SKIP = {"fault", "outcome", "test"}
 
@@ -47,9 +50,10 @@ def figures(row: dict) -> str:
     )
 
 
-def render(rows: list[dict], long_run: dict | None) -> str:
-    faults = [r for r in rows if not r["fault"].startswith("bad input:")]
+def render(rows: list[dict], long_run: dict | None, big_run: dict | None = None) -> str:
+    hostile = [r for r in rows if r["fault"].startswith("hostile ")]
     bad = [r for r in rows if r["fault"].startswith("bad input:")]
+    faults = [r for r in rows if r not in hostile and r not in bad]
     out = [
         "| fault | outcome | measured | test |",
         "| --- | --- | --- | --- |",
@@ -69,6 +73,22 @@ def render(rows: list[dict], long_run: dict | None) -> str:
             + ", ".join(f"{p['growth_second_half_mib']:+.2f}" for p in per)
             + " MiB, the rest Ray object-store pages) | `benchmarks/long_run.py` |"
         )
+    if big_run:
+        b = big_run
+        cmds = b["commands"]
+        out.append(
+            f"| a big run: {b['gpus']} replayed GPUs × {b['steps']:,} steps of "
+            f"{b['step_ms']:g} ms ({b['run']['records']:,} step records) | the job's driver keeps "
+            "a cursor, not the records: flat while the store fills; report and compare read the "
+            f"store | driver RSS {b['driver_mib_at_quarter']} MiB at a quarter, "
+            f"{b['driver_mib_at_drain_end']} MiB when drained ({b['driver_growth_mib']:+} MiB "
+            f"over {b['records_between']:,} records); `report` {cmds['report big']['wall_s']} s / "
+            f"{cmds['report big']['max_rss_mib']} MiB, `compare` {cmds['compare big']['wall_s']} s"
+            f" / {cmds['compare big']['max_rss_mib']} MiB | `benchmarks/big_run.py` |"
+        )
+    out += ["", "| hostile file or input | what the user sees |", "| --- | --- |"]
+    for r in hostile:
+        out.append(f"| {r['fault'].removeprefix('hostile ')} | {r['outcome']} |")
     out += ["", "| bad input | what the user sees (exit 2) |", "| --- | --- |"]
     for r in bad:
         out.append(f"| `{r['fault'].removeprefix('bad input: ')}` | {r['outcome']} |")
@@ -97,7 +117,12 @@ def main() -> int:
                 row[k] = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/[^/\s']+", "<tmp>", v)
     table.write_text(json.dumps(rows, indent=1) + "\n")
     lr = ROOT / "benchmarks" / "results" / "local-long-run" / "long_run.json"
-    text = render(rows, json.loads(lr.read_text()) if lr.exists() else None)
+    br = ROOT / "benchmarks" / "results" / "local-big-run" / "big_run.json"
+    text = render(
+        rows,
+        json.loads(lr.read_text()) if lr.exists() else None,
+        json.loads(br.read_text()) if br.exists() else None,
+    )
     (a.out / "table.md").write_text(text)
     print(text, end="")
     return 0 if rc == 0 else 1

@@ -207,6 +207,14 @@ def _compare_parser(sub) -> None:
         help="allowed growth of the largest within-step peak: 0.05 or 5%% (default); at most "
         "1 (100 %%)",
     )
+    cp.add_argument(
+        "--max-unsampled",
+        type=args.fraction,
+        default=0.05,
+        help="the share of a run's steps that may lack NVML samples (a loaded machine) and "
+        "still be judged, on its other steps: 0.05 or 5%% (default); above it, or when every "
+        "step lacks them, the runs cannot be compared",
+    )
     cp.add_argument("--markdown", help="write the Markdown (for a PR comment) here")
 
 
@@ -596,7 +604,9 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     md_path = None
     if ns.markdown:
         md_path = writable_file(ns.markdown, "--markdown", "stepmem compare", (ns.base, ns.new))
-    md, regressed = compare(load_run(ns.base), load_run(ns.new), ns.tolerance)
+    md, regressed = compare(
+        load_run(ns.base), load_run(ns.new), ns.tolerance, max_unsampled=ns.max_unsampled
+    )
     print(md)
     if md_path is not None:
         write_output(md_path, md, "--markdown", "stepmem compare")

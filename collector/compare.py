@@ -3,12 +3,15 @@
 NEW passes only when it is a whole run that can be judged against BASE and no peak grew beyond
 the tolerance. It fails ("Cannot compare", exit 1) when either run did not finish (interrupted,
 failed, killed, incomplete), when NEW stopped at fewer steps than BASE, when the runs differ in
-shape (GPUs, ranks), or when the NVML figures needed are missing (steps without samples, a BASE
-without any); it fails as a regression when a failed step (an OOM) is in NEW, or when the largest
-within-step peak of a stream — NVML over every step that has samples, torch allocated and
-reserved over every step — grew by more than the tolerance. Judging each stream's largest peak
-(not step k against step k) means a NEW with more steps is judged on all of them, and a BASE
-step whose sampler missed a transient cannot make an identical NEW fail.
+shape (GPUs, ranks), or when the NVML figures needed are missing (more than ``max_unsampled``
+of a run's steps without samples, 5 % by default, or a run without any); it fails as a
+regression when a failed step (an OOM) is in NEW, or when the largest within-step peak of a
+stream — NVML over every step that has samples, torch allocated and reserved over every step —
+grew by more than the tolerance. A few steps without NVML samples (a loaded machine starves a
+sampler now and then) do not stop the gate: NVML is judged on the other steps, torch's peaks on
+all, and the comparison says how many were left out. Judging each stream's largest peak (not
+step k against step k) means a NEW with more steps is judged on all of them, and a BASE step
+whose sampler missed a transient cannot make an identical NEW fail.
 
 The per-step table pairs steps by their order in the run (the probe's sequence number), not
 by the caller's step numbers, which may restart each epoch.
@@ -103,7 +106,13 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
 
 
 def _judge(
-    bs: Stream, ns: Stream, name: str, tolerance: float, new: Run, base: Run
+    bs: Stream,
+    ns: Stream,
+    name: str,
+    tolerance: float,
+    new: Run,
+    base: Run,
+    max_unsampled: float = 0.05,
 ) -> tuple[list[str], list[str], list[str]]:
     """Lines, problems (cannot compare) and regressions of one pair of streams."""
     lines: list[str] = []
@@ -125,10 +134,20 @@ def _judge(
         regressions.append(f"{name}: NEW's step {r['step']} failed ({r['error']})")
     for which, st, run in (("NEW", ns, new), ("BASE", bs, base)):
         missing = [r["step"] for r in st.records if r.get("nvml_peak_bytes") is None]
-        if missing and len(missing) < len(st.records):
+        if not missing or len(missing) == len(st.records):
+            continue  # none missing, or all: said below, per figure
+        share = len(missing) / len(st.records)
+        if share > max_unsampled:
             problems.append(
-                f"{name}: {len(missing)} of {which}'s steps have no NVML samples, so "
+                f"{name}: {len(missing)} of {which}'s steps have no NVML samples "
+                f"({100 * share:.1f} %, more than the {100 * max_unsampled:g} % allowed), so "
                 f"{which}'s largest peak is unknown (see {_report_cmd(run)})"
+            )
+        else:
+            lines.append(
+                f"- {len(missing)} of {which}'s {len(st.records)} steps have no NVML samples "
+                f"({100 * share:.1f} %, within the {100 * max_unsampled:g} % allowed): NVML is "
+                "judged on its other steps, torch's peaks on all."
             )
     flagged = [r for r in ns.records if "undersampled" in (r.get("gap") or "")]
     if flagged:
@@ -174,7 +193,7 @@ def _judge(
     return lines, problems, regressions
 
 
-def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
+def compare(base: Run, new: Run, tolerance: float, max_unsampled: float = 0.05) -> tuple[str, bool]:
     """Markdown comparing NEW with BASE stream by stream (GPU, rank), and whether NEW fails
     the gate (see the module docstring)."""
     lines = [f"## stepmem compare: `{new.name}` against `{base.name}`", ""]
@@ -200,7 +219,7 @@ def compare(base: Run, new: Run, tolerance: float) -> tuple[str, bool]:
             lines += [f"### {name}", ""]
             lines += _table(bs, ns, tolerance)
             lines.append("")
-            more, p, r = _judge(bs, ns, name, tolerance, new, base)
+            more, p, r = _judge(bs, ns, name, tolerance, new, base, max_unsampled)
             lines += more
             problems += p
             regressions += r

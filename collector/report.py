@@ -252,8 +252,8 @@ def _fleet_rows(run: Run) -> list[_FleetRow]:
 def imbalance(rows: list[_FleetRow]) -> list[dict[str, Any]]:
     """Ranks whose highest torch allocated peak lies more than :data:`IMBALANCE_FRACTION`
     (and :data:`IMBALANCE_BYTES`) above the median of all ranks (with two ranks: above the
-    lower one), each with the ledger component that differs most from the median rank's (parameters, gradients, optimizer state, other
-    allocated: activations and temporaries)."""
+    lower one), each with the ledger component that differs most from the median rank's
+    (parameters, gradients, optimizer state, other allocated: activations and temporaries)."""
     import statistics
 
     ranked = [r for r in rows if r.alloc is not None and not r.lost]

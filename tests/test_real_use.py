@@ -415,9 +415,7 @@ def test_a_replay_shows_the_captures_own_end_readings(tmp_path, record_fault):
     assert len(recs) == 40 and len(clean) >= 30, [r.gap for r in recs]
     wrong_end = [r.step for r in clean if r.nvml_end_bytes != cap.used[-1]]
     wrong_peak = [
-        r.step
-        for r in clean
-        if r.nvml_peak_bytes != cap.max_in_force(begins[r.step], ends[r.step])
+        r.step for r in clean if r.nvml_peak_bytes != cap.max_in_force(begins[r.step], ends[r.step])
     ]
     assert wrong_end == [] and wrong_peak == [], (wrong_end, wrong_peak)
     record_fault(
