@@ -25,9 +25,9 @@ import time
 import numpy as np
 import ray
 
-from collector.export.values import nontorch_bytes
 from collector.placement import BackendSpec, SamplerOptions, launch_samplers
 from collector.probe.core import StepProbe
+from collector.records import StepRecord
 from collector.session import start_local_ray
 from collector.settings import Sampling
 from workloads import spiky
@@ -42,9 +42,9 @@ PEERS = {
 
 
 def true_peak(rec: dict) -> int:
-    te = rec["torch_end"]
-    outside = nontorch_bytes(rec) + te.get("context_baseline_bytes", 0)  # NVML − reserved at end
-    return rec["torch_reserved_peak_bytes"] + outside
+    r = StepRecord.from_dict(rec)
+    outside = (r.nvml_end_bytes or 0) - (r.reserved_end or 0)  # NVML − reserved at step end
+    return (r.torch_reserved_peak_bytes or 0) + outside
 
 
 def run_rate(rate: float, args: argparse.Namespace) -> tuple[list[dict], dict | None]:

@@ -26,14 +26,24 @@ For one GPU at the end of a step::
 
 Without per-process readings (captures recorded before them, an NVML that refuses) everything
 outside torch and the baseline is one figure, said to be unsplit. The process is known by the
-pid the probe puts in its begin event.
+pid the probe puts in its begin event; a capture recorded before the probe did that is matched
+to the one listed process that holds at least torch's reserved pool at every step
+(:func:`identify_process`), and the report says so.
+
+With the caching allocator off (``PYTORCH_NO_CUDA_MEMORY_CACHING``) torch's figures read 0:
+tensors go straight to the driver. What torch holds is then the ledger's tensors (parameters,
+gradients, optimizer state, DDP's buckets: a lower bound, activations are not in it), the
+baseline is measured against it, and no "other allocated" is derived from the zero figures.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from collector.records import Stat, StepRecord
 
 __all__ = [
     "Account",
@@ -42,9 +52,9 @@ __all__ = [
     "accounts",
     "allocator_mode",
     "changes",
+    "identify_process",
     "locate",
     "mark_points",
-    "nontorch_bytes",
     "outside_share",
     "peak_phase",
     "peak_split",
@@ -53,36 +63,40 @@ __all__ = [
 MIB = 1 << 20
 CHANGE_BYTES = 256 * MIB  # the smallest step-to-step change of a component reported
 TRUSTED_REMAINDER = CHANGE_BYTES // 2
+LEDGER_TENSORS = ("parameters", "gradients", "optimizer_state", "gradient_buckets")
 
 
-def _t(r: dict[str, Any], part: str, key: str) -> int | None:
-    v = (r.get(part) or {}).get(key)
-    return None if v is None else int(v)
+def _ledger_tensors(r: StepRecord) -> int:
+    return sum(r.ledger_of(k) for k in LEDGER_TENSORS)
 
 
-def nontorch_bytes(rec: dict[str, Any]) -> int | None:
-    """NVML used − torch reserved − CUDA-context baseline at step end; None without torch stats.
-
-    NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out driver-reserved memory;
-    measured equal on the H200), so the baseline the probe took with ``mem_get_info`` before
-    training subtracts on the same footing.
-    """
-    te = rec.get("torch_end") or {}
-    if "reserved_bytes.all.current" not in te or rec.get("nvml_end_bytes") is None:
-        return None
-    return (
-        rec["nvml_end_bytes"]
-        - te["reserved_bytes.all.current"]
-        - te.get("context_baseline_bytes", 0)
-    )
+def held_by_torch(r: StepRecord, caching_off: bool) -> int | None:
+    """What torch holds on the device at the step's end: its reserved pool; with the caching
+    allocator off (every figure 0), the ledger's tensors (0 without a ledger)."""
+    if caching_off:
+        return _ledger_tensors(r)
+    return r.reserved_end
 
 
-def _pid(recs: list[dict[str, Any]]) -> int | None:
+def identify_process(recs: Sequence[StepRecord]) -> tuple[int | None, str]:
+    """The training process's pid, and how it is known: from the probe (its begin event), or,
+    for records whose probe did not say (captures recorded before it did), the one process of
+    NVML's per-process readings that holds at least torch's reserved pool at every step that
+    has a reading. ``(None, why)`` when neither tells."""
     for r in recs:
-        pid = _t(r, "torch_begin", "process_pid")
-        if pid:
-            return pid
-    return None
+        if r.process_pid:
+            return r.process_pid, "probe"
+    candidates: set[int] | None = None
+    for r in recs:
+        procs = r.processes.get("procs")
+        reserved = r.reserved_end
+        if not procs or reserved is None:
+            continue
+        holding = {int(p[0]) for p in procs if p[1] is not None and int(p[1]) >= reserved}
+        candidates = holding if candidates is None else candidates & holding
+    if candidates is not None and len(candidates) == 1:
+        return next(iter(candidates)), "identified"
+    return None, "ambiguous" if candidates else "none"
 
 
 @dataclass
@@ -92,7 +106,7 @@ class Account:
     step: int
     device_used: int
     baseline: int
-    reserved: int
+    reserved: int  # what torch holds (its reserved pool; caching off: the ledger's tensors)
     allocated: int
     inactive_split: int
     live: dict[str, int] = field(default_factory=dict)  # ledger kinds, when watched
@@ -105,6 +119,7 @@ class Account:
     read_after_ms: float | None = None  # the per-process reading's delay after the end mark
     outside_all: int = 0  # everything outside torch's reserved pool beyond the probe's baseline
     before: int | None = None  # the probe's reading before training (device used - reserved)
+    caching_off: bool = False
 
     @property
     def first_use(self) -> int:
@@ -136,37 +151,45 @@ class Account:
         return out
 
 
-def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account | None:
+def account(
+    r: StepRecord, pid: int | None, baseline: int | None, caching_off: bool = False
+) -> Account | None:
     """The account of record ``r`` (None without an end-of-step NVML reading or torch stats).
     ``baseline``: this process's smallest memory outside torch (:func:`accounts` finds it)."""
-    used = r.get("nvml_end_bytes")
-    reserved = _t(r, "torch_end", "reserved_bytes.all.current")
-    if used is None or reserved is None:
+    used = r.nvml_end_bytes
+    held = held_by_torch(r, caching_off)
+    if used is None or held is None or r.reserved_end is None:
         return None
-    allocated = _t(r, "torch_end", "allocated_bytes.all.current") or 0
+    allocated = held if caching_off else (r.allocated_end or 0)
+    before = None if caching_off else r.context_baseline
     a = Account(
-        step=r["step"],
+        step=r.step,
         device_used=used,
         baseline=0,
-        reserved=reserved,
+        reserved=held,
         allocated=allocated,
-        inactive_split=_t(r, "torch_end", "inactive_split_bytes.all.current") or 0,
-        outside_all=nontorch_bytes(r) or 0,  # known: used and reserved are
+        inactive_split=0 if caching_off else r.inactive_split_end,
+        outside_all=used - held - (before or 0),
+        caching_off=caching_off,
     )
-    led = r.get("ledger") or {}
-    if led:
-        kinds = ("parameters", "gradients", "optimizer_state", "gradient_buckets")
-        a.live = {k: int(led.get(k, 0)) for k in kinds if k in led and (led[k] or k in kinds[:3])}
-        a.live["other_allocated"] = int(led.get("other_allocated", 0))
-    procs = (r.get("processes") or {}).get("procs")
-    snap_used = (r.get("processes") or {}).get("device_used")
+    if r.ledger:
+        a.live = {
+            k: r.ledger_of(k)
+            for k in LEDGER_TENSORS
+            if k in r.ledger and (r.ledger[k] or k in LEDGER_TENSORS[:3])
+        }
+        other = r.ledger_of("other_allocated")
+        if not caching_off and other >= 0:  # caching off: allocated reads 0, nothing to derive
+            a.live["other_allocated"] = other
+    procs = r.processes.get("procs")
+    snap_used = r.processes.get("device_used")
     mine = [p for p in procs or [] if pid is not None and int(p[0]) == pid]
     moved = abs(used - snap_used) if snap_used is not None else None
     if mine and moved is not None and moved <= TRUSTED_REMAINDER and baseline is not None:
         this = int(mine[0][1] or 0)
         a.baseline = baseline
-        a.before = _t(r, "torch_end", "context_baseline_bytes")
-        a.outside = this - reserved - baseline
+        a.before = before
+        a.outside = this - held - baseline
         a.others = [
             (int(p[0]), str(p[2]) if len(p) > 2 else "", int(p[1] or 0))
             for p in procs
@@ -174,18 +197,18 @@ def account(r: dict[str, Any], pid: int | None, baseline: int | None) -> Account
         ]
         a.no_process = snap_used - sum(int(p[1] or 0) for p in procs)
         a.remainder = used - snap_used
-        t = (r.get("processes") or {}).get("t_ns")
+        t = r.processes.get("t_ns")
         if t is not None:
-            a.read_after_ms = (t - r["end_ns"]) / 1e6
+            a.read_after_ms = (t - r.end_ns) / 1e6
     else:
-        a.baseline = _t(r, "torch_end", "context_baseline_bytes") or 0
+        a.baseline = before or 0
         a.unsplit = a.outside_all
         if moved is not None and moved > TRUSTED_REMAINDER:
             a.unsplit_why = (
                 f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
             )
         elif not mine:
-            a.unsplit_why = "no per-process reading"
+            a.unsplit_why = "no per-process reading" if not procs else "no reading of this process"
         else:
             a.unsplit_why = "NVML gave no figure for this process"
     return a
@@ -200,42 +223,44 @@ def outside_share(procs: list[list[Any]], pid: int | None, reserved: int) -> int
     return None
 
 
-def accounts(recs: list[dict[str, Any]]) -> list[Account]:
-    """The account of every step of one GPU that has one, in step order."""
-    pid = _pid(recs)
+def accounts(recs: Sequence[StepRecord], pid: int | None = None) -> list[Account]:
+    """The account of every step of one GPU that has one, in step order. ``pid``: the training
+    process (default: :func:`identify_process`)."""
+    if pid is None:
+        pid, _ = identify_process(recs)
+    caching_off = allocator_mode(recs)["caching_disabled"]
     base = None
     for r in recs:
-        procs = (r.get("processes") or {}).get("procs") or []
-        reserved = _t(r, "torch_end", "reserved_bytes.all.current")
-        v = outside_share(procs, pid, reserved) if reserved is not None else None
+        procs = r.processes.get("procs") or []
+        held = held_by_torch(r, caching_off)
+        v = outside_share(procs, pid, held) if held is not None else None
         if v is not None:
             base = v if base is None else min(base, v)
-    out = [account(r, pid, base) for r in recs if not r.get("error")]
+    out = [account(r, pid, base, caching_off) for r in recs if not r.failed]
     return [a for a in out if a is not None]
 
 
-def allocator_mode(recs: list[dict[str, Any]]) -> dict[str, Any]:
+def allocator_mode(recs: Sequence[StepRecord]) -> dict[str, Any]:
     """How the allocator ran: from the probe's reading of the run's environment, and from the
     figures themselves (caching off: torch's statistics stay 0 while NVML moves)."""
-    flags = {}
+    flags: dict[str, Any] = {}
     for r in recs:
-        tb = r.get("torch_begin") or {}
-        if "allocator_caching_disabled" in tb:
-            flags = tb
+        if Stat.CACHING_DISABLED in r.torch_begin:
+            flags = r.torch_begin
             break
+    with_torch = [r for r in recs if r.torch_end]
     zero = all(
-        not _t(r, "torch_end", "reserved_bytes.all.peak")
-        and not _t(r, "torch_end", "num_device_alloc")
-        for r in recs
-        if r.get("torch_end")
+        not r.reserved_end
+        and not r.end_stat(Stat.RESERVED_PEAK)
+        and not r.end_stat(Stat.DEVICE_ALLOCS)
+        for r in with_torch
     )
-    moving = [r["nvml_peak_bytes"] for r in recs if r.get("nvml_peak_bytes") is not None]
-    stats_zero = bool(moving) and zero and any(r.get("torch_end") for r in recs)
+    stats_zero = any(r.measured for r in recs) and zero and bool(with_torch)
     return {
-        "caching_disabled": bool(flags.get("allocator_caching_disabled")) or stats_zero,
+        "caching_disabled": bool(flags.get(Stat.CACHING_DISABLED)) or stats_zero,
         "from_environment": bool(flags),
         "stats_zero": stats_zero,
-        "expandable_segments": bool(flags.get("allocator_expandable_segments")),
+        "expandable_segments": bool(flags.get(Stat.EXPANDABLE_SEGMENTS)),
     }
 
 
@@ -289,14 +314,13 @@ def _outside_unsplit(nvml: int | None, reserved: int | None) -> int | None:
     return None if nvml is None or reserved is None else nvml - reserved
 
 
-def mark_points(r: dict[str, Any]) -> list[tuple[str, int, int | None]]:
+def mark_points(r: StepRecord | None) -> list[tuple[str, int, int | None]]:
     """(what opens here, t_ns, memory outside torch) at each mark of step ``r``: its begin (or
-    each phase's opening mark), then its end (``"end"``); none for a record without mark
-    times."""
+    each phase's opening mark), then its end (``"end"``); none without a record."""
     pts: list[tuple[str, int, int | None]] = []
-    if r.get("begin_ns") is None or r.get("end_ns") is None:
+    if r is None:
         return pts
-    for ph in r.get("phases") or []:
+    for ph in r.phases:
         pts.append(
             (
                 ph["phase"],
@@ -305,41 +329,25 @@ def mark_points(r: dict[str, Any]) -> list[tuple[str, int, int | None]]:
             )
         )
     if not pts:
-        pts.append(
-            (
-                "step",
-                r["begin_ns"],
-                _outside_unsplit(
-                    r.get("nvml_begin_bytes"), _t(r, "torch_begin", "reserved_bytes.all.current")
-                ),
-            )
-        )
-    pts.append(
-        (
-            "end",
-            r["end_ns"],
-            _outside_unsplit(
-                r.get("nvml_end_bytes"), _t(r, "torch_end", "reserved_bytes.all.current")
-            ),
-        )
-    )
+        pts.append(("step", r.begin_ns, _outside_unsplit(r.nvml_begin_bytes, r.reserved_begin)))
+    pts.append(("end", r.end_ns, _outside_unsplit(r.nvml_end_bytes, r.reserved_end)))
     return pts
 
 
-def locate(change: dict[str, Any], by_step: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+def locate(change: dict[str, Any], by_step: dict[int, StepRecord]) -> dict[str, Any] | None:
     """Where between the end of step ``since`` and the end of step ``step`` the memory outside
     torch moved by at least half of ``change["delta"]``: the first stretch between two marks
     that did. ``{"step", "phase", "from_ns", "to_ns"}``; ``phase`` is ``"between steps"`` for
     the stretch from the step before's end to this step's begin. None when the marks' readings
     are missing or no single stretch holds half of it (it came in pieces)."""
-    prev = mark_points(by_step.get(change["since"]) or {})
+    prev = mark_points(by_step.get(change["since"]))
     if not prev:
         return None
     last = prev[-1]
     half = abs(change["delta"]) / 2
     sign = 1 if change["delta"] > 0 else -1
     for s in range(change["since"] + 1, change["step"] + 1):
-        pts = mark_points(by_step.get(s) or {})
+        pts = mark_points(by_step.get(s))
         if not pts:
             return None
         opened = "between steps"
@@ -367,31 +375,29 @@ class PeakSplit:
     transient_outside: int
 
 
-def peak_phase(r: dict[str, Any]) -> dict[str, Any] | None:
+def peak_phase(r: StepRecord) -> dict[str, Any] | None:
     """The phase of step ``r`` whose window holds its NVML peak (None: no phase marks, or no
     peak time)."""
-    t = r.get("nvml_peak_t_ns")
+    t = r.nvml_peak_t_ns
     if t is None:
         return None
-    return next((ph for ph in r.get("phases") or [] if ph["begin_ns"] <= t <= ph["end_ns"]), None)
+    return next((ph for ph in r.phases if ph["begin_ns"] <= t <= ph["end_ns"]), None)
 
 
-def peak_split(r: dict[str, Any]) -> PeakSplit | None:
-    peak, end = r.get("nvml_peak_bytes"), r.get("nvml_end_bytes")
-    res_end = _t(r, "torch_end", "reserved_bytes.all.current")
+def peak_split(r: StepRecord) -> PeakSplit | None:
+    peak, end, res_end = r.nvml_peak_bytes, r.nvml_end_bytes, r.reserved_end
     if peak is None or end is None or res_end is None:
         return None
-    t = r.get("nvml_peak_t_ns")
     ph = peak_phase(r)
-    res_peak = r.get("torch_reserved_peak_bytes")
+    res_peak = r.torch_reserved_peak_bytes
     if ph is not None:
         res_peak = ph.get("torch_reserved_peak_bytes", res_peak)
     res_peak = max(int(res_peak or 0), res_end)
     outside_end = end - res_end
     return PeakSplit(
-        step=r["step"],
+        step=r.step,
         peak=peak,
-        t_ns=t,
+        t_ns=r.nvml_peak_t_ns,
         phase=None if ph is None else ph["phase"],
         reserved_peak=res_peak,
         outside_at_end=outside_end,

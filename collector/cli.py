@@ -194,6 +194,13 @@ def _report_parser(sub) -> None:
         help=f"print every step (a long run shows its first and last {EDGE_ROWS}, its highest "
         "peak and its odd steps)",
     )
+    rp.add_argument(
+        "--verbose",
+        dest="detail",
+        action="store_true",
+        help="every finding in full, figures under the noise floor (128 MiB or 0.5 %% of the "
+        "card) included",
+    )
 
 
 def _compare_parser(sub) -> None:
@@ -562,7 +569,7 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     if (ns.png or ns.html) and not ns.run.is_dir():
         raise UserError(f"{prog}: --png/--html need a run directory (the trace)")
     run = load_run(ns.run)
-    text, _ = render_report(run, all_steps=ns.all_steps)
+    text, _ = render_report(run, verbose=ns.detail, all_steps=ns.all_steps)
     print(text)
     if "out" in outs:
         write_output(outs["out"], text, "--out", prog)

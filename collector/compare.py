@@ -20,9 +20,9 @@ by the caller's step numbers, which may restart each epoch.
 from __future__ import annotations
 
 import shlex
-from typing import Any
 
-from collector.diagnose import g
+from collector.diagnosis import g
+from collector.records import StepRecord
 from collector.runs import Run, Stream
 
 __all__ = ["compare"]
@@ -50,12 +50,12 @@ def _finished(which: str, run: Run) -> str | None:
     )
 
 
-def _largest(recs: list[dict[str, Any]], key: str) -> tuple[int | None, dict[str, Any] | None]:
-    vals = [r for r in recs if r.get(key) is not None]
+def _largest(recs: list[StepRecord], key: str) -> tuple[int | None, StepRecord | None]:
+    vals = [r for r in recs if getattr(r, key) is not None]
     if not vals:
         return None, None
-    top = max(vals, key=lambda r: r[key])
-    return top[key], top
+    top = max(vals, key=lambda r: getattr(r, key))
+    return getattr(top, key), top
 
 
 def _pct(b: int, n: int) -> str:
@@ -77,8 +77,7 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
         worst = max(
             range(len(pairs)),
             key=lambda i: (
-                (pairs[i][1].get("nvml_peak_bytes") or 0)
-                - (pairs[i][0].get("nvml_peak_bytes") or 0)
+                (pairs[i][1].nvml_peak_bytes or 0) - (pairs[i][0].nvml_peak_bytes or 0)
             ),
         )
         keep.add(worst)
@@ -92,7 +91,7 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
         b, n = pairs[i]
         cells = []
         for key in METRICS:
-            bv, nv = b.get(key), n.get(key)
+            bv, nv = getattr(b, key), getattr(n, key)
             if bv is None or nv is None:
                 cells.append("—" if key.startswith("nvml") else "")
                 continue
@@ -100,7 +99,7 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
             if key.endswith("peak_bytes") and (nv > bv * (1 + tolerance) or (not bv and nv)):
                 flag = " ⚠"
             cells.append(f"{g(bv)} → {g(nv)} ({_pct(bv, nv)}){flag}")
-        step = str(n["step"]) if n["step"] == b["step"] else f"{b['step']} / {n['step']}"
+        step = str(n.step) if n.step == b.step else f"{b.step} / {n.step}"
         lines.append(f"| {i + 1} | {step} | " + " | ".join(cells) + " |")
     return lines
 
@@ -128,12 +127,12 @@ def _judge(
             f"- NEW has {nn} steps, BASE {nb}: every NEW step is judged against BASE's largest "
             "peak."
         )
-    failed = [r for r in ns.records if r.get("error")]
+    failed = [r for r in ns.records if r.failed]
     if failed:
         r = failed[0]
-        regressions.append(f"{name}: NEW's step {r['step']} failed ({r['error']})")
+        regressions.append(f"{name}: NEW's step {r.step} failed ({r.error})")
     for which, st, run in (("NEW", ns, new), ("BASE", bs, base)):
-        missing = [r["step"] for r in st.records if r.get("nvml_peak_bytes") is None]
+        missing = [r.step for r in st.records if not r.measured]
         if not missing or len(missing) == len(st.records):
             continue  # none missing, or all: said below, per figure
         share = len(missing) / len(st.records)
@@ -149,7 +148,7 @@ def _judge(
                 f"({100 * share:.1f} %, within the {100 * max_unsampled:g} % allowed): NVML is "
                 "judged on its other steps, torch's peaks on all."
             )
-    flagged = [r for r in ns.records if "undersampled" in (r.get("gap") or "")]
+    flagged = [r for r in ns.records if r.has_gap("undersampled")]
     if flagged:
         lines.append(
             f"- {len(flagged)} of NEW's steps were sampled at under half the rate (a starved "
@@ -172,19 +171,15 @@ def _judge(
         grew = nv > bv * (1 + tolerance) if bv else nv > 0
         change = "the same" if nv == bv else ("more" if nv > bv else "less")
         lines.append(
-            f"- {label}, largest over the run: {g(bv)} (step {btop['step']}) → {g(nv)} (step "
-            f"{ntop['step']}), {_pct(bv, nv)}: NEW uses {change}." + (" ⚠" if grew else "")
+            f"- {label}, largest over the run: {g(bv)} (step {btop.step}) → {g(nv)} (step "
+            f"{ntop.step}), {_pct(bv, nv)}: NEW uses {change}." + (" ⚠" if grew else "")
         )
         if grew:
             regressions.append(
                 f"{name}: the largest {label} grew from {g(bv)} to {g(nv)} ({_pct(bv, nv)})"
             )
-    bm = max(
-        ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in bs.records), default=0
-    )
-    nm = max(
-        ((r.get("ledger") or {}).get("optimizer_state_managed", 0) for r in ns.records), default=0
-    )
+    bm = max((r.managed for r in bs.records), default=0)
+    nm = max((r.managed for r in ns.records), default=0)
     if bm != nm:
         lines.append(
             f"- managed (paged) optimizer state: {g(bm)} → {g(nm)}, outside the torch "

@@ -13,6 +13,7 @@ allocated in step N that is still live at the end of step N+1 (state created in 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import pickle
 from collections import defaultdict
@@ -70,27 +71,60 @@ def load_snapshot(path: Path) -> dict[str, Any]:
 NO_FRAMES = "(no Python frame: autograd's engine or other C++ code)"
 # modules that are plumbing, not the line that asked for memory (PyTorch's own, the stdlib's)
 _PLUMBING = ("torch/", "contextlib.py", "functools.py", "threading.py")
+_LIBRARY_ROOTS = ("site-packages/", "dist-packages/")
 
 
 def _short(path: str) -> str:
     """A file's path from its package down: ``transformers/models/llama/modeling_llama.py``
     (``site-packages``/``dist-packages`` cut), else its last three parts."""
-    for root in ("site-packages/", "dist-packages/"):
+    for root in _LIBRARY_ROOTS:
         if root in path:
             return path.rsplit(root, 1)[1]
     return "/".join(path.split("/")[-3:])
 
 
+def _is_stdlib(path: str) -> bool:
+    return "/lib/python3" in path and not any(root in path for root in _LIBRARY_ROOTS)
+
+
+def _is_users(path: str) -> bool:
+    """A frame of the user's own code: not an installed package, not the standard library,
+    not PyTorch, not Python's own (``<frozen runpy>``), not stepmem's runner."""
+    if not path or path.startswith("<") or _is_stdlib(path):
+        return False
+    if any(root in path for root in _LIBRARY_ROOTS):
+        return False
+    if _short(path).startswith(_PLUMBING):
+        return False
+    return not any(path.endswith(own) for own in _stepmem_files())
+
+
+@functools.cache
+def _stepmem_files() -> tuple[str, ...]:
+    """stepmem's own modules as paths end (``collector/runners.py``): its runner and probe
+    frames are not the user's line, wherever the history was recorded."""
+    root = Path(__file__).resolve().parent
+    return tuple(p.relative_to(root.parent).as_posix() for p in root.rglob("*.py"))
+
+
 def site_of(frames: Iterable[dict[str, Any]]) -> str:
-    """``file:line (function)`` of the innermost frame (frames come innermost first) outside
-    PyTorch's own code; a frame of PyTorch's when there is no other."""
+    """Where an allocation came from: the innermost frame outside PyTorch's own code (a
+    library's line, ``file:line (function)``), preceded by the innermost frame of the user's
+    own code that led to it (``workloads/cases.py:69 (run) → transformers/…:480 (forward)``)
+    when that is another frame; a frame of PyTorch's when there is no other."""
     frames = list(frames or [])
+    lib = None
     for f in frames:
         name = str(f.get("filename", ""))
-        short = _short(name)
-        if name and not name.startswith("<") and not short.startswith(_PLUMBING):
-            return _fmt(f)
-    return _fmt(frames[0]) if frames else NO_FRAMES
+        if name and not name.startswith("<") and not _short(name).startswith(_PLUMBING):
+            lib = f
+            break
+    if lib is None:
+        return _fmt(frames[0]) if frames else NO_FRAMES
+    user = next((f for f in frames if _is_users(str(f.get("filename", "")))), None)
+    if user is None or user is lib:
+        return _fmt(lib)
+    return f"{_fmt(user)} → {_fmt(lib)}"
 
 
 def _fmt(f: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "DeviceInfo",
     "MemoryInfo",
     "ProcessMemory",
+    "Stat",
     "StepEvent",
     "StepRecord",
 ]
@@ -182,6 +183,36 @@ _EVENT_FIELDS = (
 )
 
 
+class Stat:
+    """The allocator figures a step event's ``torch`` mapping carries (``torch.cuda.memory_stats``
+    keys, ``mem_get_info``'s, and the probe's own), spelled here once. Readers use the named
+    accessors of :class:`StepRecord` (``reserved_end``, ``allocated_end``, …)."""
+
+    ALLOCATED = "allocated_bytes.all.current"
+    ALLOCATED_PEAK = "allocated_bytes.all.peak"
+    RESERVED = "reserved_bytes.all.current"
+    RESERVED_PEAK = "reserved_bytes.all.peak"
+    ACTIVE = "active_bytes.all.current"
+    ACTIVE_PEAK = "active_bytes.all.peak"
+    INACTIVE_SPLIT = "inactive_split_bytes.all.current"
+    INACTIVE_SPLIT_PEAK = "inactive_split_bytes.all.peak"
+    SEGMENTS = "segment.all.current"
+    RETRIES = "num_alloc_retries"
+    OOMS = "num_ooms"
+    DEVICE_ALLOCS = "num_device_alloc"
+    DEVICE_FREES = "num_device_free"
+    MEM_FREE = "mem_free_bytes"
+    MEM_TOTAL = "mem_total_bytes"
+    # the probe's own, in every event
+    CONTEXT_BASELINE = "context_baseline_bytes"  # device used − reserved before training
+    PROCESS_PID = "process_pid"  # begin events: the training process
+    CACHING_DISABLED = "allocator_caching_disabled"  # begin events: PYTORCH_NO_CUDA_MEMORY_CACHING
+    EXPANDABLE_SEGMENTS = "allocator_expandable_segments"  # begin events: PYTORCH_CUDA_ALLOC_CONF
+
+
+GAP_FLAGS = ("no_samples", "sampler_started", "overrun", "stall", "undersampled", "stale_end")
+
+
 @dataclass
 class StepRecord:
     """One step on one GPU: NVML samples joined with the step's begin/end events.
@@ -241,6 +272,112 @@ class StepRecord:
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.begin_ns) / 1e9
+
+    # -- named readings (the torch mappings' keys live in :class:`Stat`) ----------------------
+
+    def end_stat(self, key: str) -> int | None:
+        """An allocator figure at the step's end mark (None: not read)."""
+        v = self.torch_end.get(key)
+        return None if v is None else int(v)
+
+    def begin_stat(self, key: str) -> int | None:
+        """An allocator figure at the step's begin mark (None: not read)."""
+        v = self.torch_begin.get(key)
+        return None if v is None else int(v)
+
+    @property
+    def has_torch(self) -> bool:
+        """Whether the probe read the allocator (a CUDA process)."""
+        return Stat.RESERVED in self.torch_end
+
+    @property
+    def allocated_end(self) -> int | None:
+        return self.end_stat(Stat.ALLOCATED)
+
+    @property
+    def reserved_end(self) -> int | None:
+        return self.end_stat(Stat.RESERVED)
+
+    @property
+    def allocated_begin(self) -> int | None:
+        return self.begin_stat(Stat.ALLOCATED)
+
+    @property
+    def reserved_begin(self) -> int | None:
+        return self.begin_stat(Stat.RESERVED)
+
+    @property
+    def inactive_split_end(self) -> int:
+        return self.end_stat(Stat.INACTIVE_SPLIT) or 0
+
+    @property
+    def segments_end(self) -> int:
+        return self.end_stat(Stat.SEGMENTS) or 0
+
+    @property
+    def retries(self) -> int:
+        """Allocation retries (the allocator freed its cache to satisfy a request) so far."""
+        return self.end_stat(Stat.RETRIES) or 0
+
+    @property
+    def ooms(self) -> int:
+        """CUDA out-of-memory errors the allocator counted so far."""
+        return self.end_stat(Stat.OOMS) or 0
+
+    @property
+    def context_baseline(self) -> int | None:
+        """Device used − torch reserved when the probe started (the CUDA context, others)."""
+        return self.end_stat(Stat.CONTEXT_BASELINE)
+
+    @property
+    def process_pid(self) -> int:
+        """The training process: the record's pid, or (records written before it had one) the
+        pid the probe put in the begin event; 0 when neither is known."""
+        return self.pid or self.begin_stat(Stat.PROCESS_PID) or 0
+
+    @property
+    def measured(self) -> bool:
+        """Whether NVML has a sample inside the step (its NVML figures are known)."""
+        return self.nvml_peak_bytes is not None
+
+    @property
+    def end_known(self) -> bool:
+        """Whether the end-of-step NVML reading describes the end (``stale_end``: an older
+        sample only)."""
+        return self.nvml_end_bytes is not None and not self.has_gap("stale_end")
+
+    def has_gap(self, flag: str) -> bool:
+        return flag in self.gap.split()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error)
+
+    @property
+    def out_of_memory(self) -> bool:
+        return "OutOfMemory" in self.error
+
+    @property
+    def interrupted(self) -> bool:
+        return self.error == "KeyboardInterrupt"
+
+    @property
+    def nontorch_end(self) -> int | None:
+        """NVML used − torch reserved − the probe's baseline at the step's end (None without
+        either reading). NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out
+        driver-reserved memory; measured equal on the H200), so the baseline the probe took with
+        ``mem_get_info`` before training subtracts on the same footing."""
+        if self.reserved_end is None or self.nvml_end_bytes is None:
+            return None
+        return self.nvml_end_bytes - self.reserved_end - (self.context_baseline or 0)
+
+    def ledger_of(self, kind: str) -> int:
+        return int(self.ledger.get(kind, 0))
+
+    @property
+    def managed(self) -> int:
+        """Optimizer state in CUDA managed (paged) memory, by the ledger."""
+        return self.ledger_of("optimizer_state_managed")
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -11,8 +11,8 @@ import io
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from collector.accounting import nontorch_bytes
-from collector.diagnose import Finding, diagnose, g, steps_text
+from collector.diagnosis import Finding, FindingKind, diagnose, g, steps_text, verdict
+from collector.records import StepRecord
 from collector.runs import Run, Stream
 
 __all__ = ["render_report"]
@@ -41,19 +41,19 @@ def _c(v: float | None, missing: str = "") -> str:
     return missing if v is None else f"{v / GIB:.2f}"
 
 
-def _row(r: dict[str, Any], seq: bool, shared: bool = False) -> list[str]:
-    te, led = r.get("torch_end") or {}, r.get("ledger") or {}
-    gap = " ".join(x for x in (r.get("gap"), r.get("error") and "FAILED") if x)
+def _row(r: StepRecord, seq: bool, shared: bool = False) -> list[str]:
+    led = r.ledger
+    gap = " ".join(x for x in (r.gap, r.failed and "FAILED") if x)
     return [
-        *([str(r.get("seq", ""))] if seq else []),
-        str(r["step"]),
-        _c(r.get("nvml_peak_bytes"), "—"),  # not measured: no sample inside the step
-        _c(r.get("nvml_end_bytes"), "—"),
-        _c(r.get("torch_allocated_peak_bytes")),
-        _c(te.get("allocated_bytes.all.current")),
-        _c(r.get("torch_reserved_peak_bytes")),
-        _c(te.get("reserved_bytes.all.current")),
-        "—" if shared else _c(nontorch_bytes(r)),  # a shared GPU's NVML is every rank's
+        *([str(r.seq)] if seq else []),
+        str(r.step),
+        _c(r.nvml_peak_bytes, "—"),  # not measured: no sample inside the step
+        _c(r.nvml_end_bytes, "—"),
+        _c(r.torch_allocated_peak_bytes),
+        _c(r.allocated_end),
+        _c(r.torch_reserved_peak_bytes),
+        _c(r.reserved_end),
+        "—" if shared else _c(r.nontorch_end),  # a shared GPU's NVML is every rank's
         _c(led.get("parameters")),
         _c(led.get("gradients")),
         _c(led.get("optimizer_state")),
@@ -62,7 +62,7 @@ def _row(r: dict[str, Any], seq: bool, shared: bool = False) -> list[str]:
     ]
 
 
-def shown_rows(recs: list[dict[str, Any]], all_steps: bool = False) -> list[int | None]:
+def shown_rows(recs: list[StepRecord], all_steps: bool = False) -> list[int | None]:
     """Which records a table shows: all of a short stream; of a long one the first and last
     :data:`EDGE_ROWS`, the highest NVML peak, and every failed or gapped step up to the table's
     size. ``None`` marks where steps are left out."""
@@ -70,10 +70,10 @@ def shown_rows(recs: list[dict[str, Any]], all_steps: bool = False) -> list[int 
     if all_steps or n <= TABLE_ROWS:
         return list(range(n))
     keep = set(range(EDGE_ROWS)) | set(range(n - EDGE_ROWS, n))
-    peaked = [i for i in range(n) if recs[i].get("nvml_peak_bytes") is not None]
+    peaked = [i for i in range(n) if recs[i].measured]
     if peaked:
-        keep.add(max(peaked, key=lambda i: recs[i]["nvml_peak_bytes"]))
-    odd = [i for i in range(n) if recs[i].get("error") or recs[i].get("gap")]
+        keep.add(max(peaked, key=lambda i: recs[i].nvml_peak_bytes or 0))
+    odd = [i for i in range(n) if recs[i].failed or recs[i].gap]
     for i in odd[: TABLE_ROWS - len(keep)]:
         keep.add(i)
     out: list[int | None] = []
@@ -137,23 +137,57 @@ def render_report(
                 "is kept, numbered # in the order it ran; the diagnosis names steps by that #."
             )
         )
+    history = _history(run)
     for stream in run.streams:
         several = len(run.streams_of(stream.gpu_uuid)) > 1
         console.print(_table(run, stream, several, all_steps))
-        fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid))
+        # the history is the first GPU of rank 0's process: its sites belong to that stream
+        sites = history if stream is _history_stream(run) else {}
+        fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose)
         findings[(stream.gpu_uuid, stream.pid)] = fs
-        console.print(Text("Diagnosis", style="bold"))
+        head = verdict(fs)
+        if head:
+            console.print(Text("Verdict", style="bold"))
+            for line in head:
+                console.print(Text(f" {line}"))
+        console.print(Text("Findings", style="bold"))
+        hidden = 0
         for f in fs:
-            console.print(Text(f" • {f.text}"))
-            if f.rule == "oom" and run.root is not None:
+            if f.minor and not verbose:
+                hidden += 1
+                continue
+            console.print(Text(f" • {f.shown(verbose)}"))
+            if f.kind is FindingKind.OOM and run.root is not None:
                 lead = _lead_up(run.root, stream.gpu_uuid, stream.records, f.numbers["step"])
                 if lead:
                     console.print(Text(f"   {lead}"))
+        if hidden:
+            console.print(
+                Text(f" ({hidden} finding(s) under the noise floor left out: --verbose shows them)")
+            )
     if len(run.streams) > 1:
         _fleet(run, console)
     if run.root is not None and (run.root / "history").is_dir():
         _sites(run.root / "history", console)
     return console.export_text(), findings
+
+
+def _history_stream(run: Run) -> Stream | None:
+    """The stream the allocation history belongs to: rank 0's first GPU."""
+    ranked = sorted(run.streams, key=lambda s: (s.rank, s.gpu))
+    return ranked[0] if ranked else None
+
+
+def _history(run: Run) -> dict[int, dict[str, Any]]:
+    """The allocation history's summary by step (empty without a readable one)."""
+    if run.root is None or not (run.root / "history").is_dir():
+        return {}
+    from collector import history
+
+    try:
+        return {s["step"]: s for s in history.summary(run.root / "history", top=3)["steps"]}
+    except (FileNotFoundError, history.HistoryError):
+        return {}
 
 
 def _sites(folder: Path, console: Any, top: int = 3) -> None:
@@ -215,7 +249,7 @@ _LEDGER_PARTS = ("parameters", "gradients", "optimizer_state", "other_allocated"
 class _FleetRow(NamedTuple):
     stream: Stream
     node: str  # node id, shortened
-    top: dict[str, Any] | None  # the step with the highest NVML peak (None: none measured)
+    top: StepRecord | None  # the step with the highest NVML peak (None: none measured)
     alloc: int | None  # this process's highest torch allocated peak
     lost: bool  # its sampler could not be reached at the end of the run
 
@@ -230,12 +264,12 @@ def _fleet_rows(run: Run) -> list[_FleetRow]:
     }
     rows = []
     for st in run.streams:
-        peaked = [r for r in st.records if r.get("nvml_peak_bytes") is not None]
-        top = max(peaked, key=lambda r: r["nvml_peak_bytes"], default=None)
+        peaked = [r for r in st.records if r.measured]
+        top = max(peaked, key=lambda r: r.nvml_peak_bytes or 0, default=None)
         allocs = [
-            r["torch_allocated_peak_bytes"]
+            r.torch_allocated_peak_bytes
             for r in st.records
-            if r.get("torch_allocated_peak_bytes") is not None
+            if r.torch_allocated_peak_bytes is not None
         ]
         rows.append(
             _FleetRow(
@@ -268,8 +302,8 @@ def imbalance(rows: list[_FleetRow]) -> list[dict[str, Any]]:
     )
 
     def ledger(row: _FleetRow) -> dict[str, int]:
-        last = next((r for r in reversed(row.stream.records) if r.get("ledger")), None)
-        return {k: int((last or {}).get("ledger", {}).get(k, 0)) for k in _LEDGER_PARTS}
+        last = next((r for r in reversed(row.stream.records) if r.ledger), None)
+        return {k: last.ledger_of(k) if last else 0 for k in _LEDGER_PARTS}
 
     if len(ranked) > 2:
         parts_med = {k: statistics.median(ledger(r)[k] for r in ranked) for k in _LEDGER_PARTS}
@@ -313,7 +347,7 @@ def _fleet(run: Run, console: Any) -> None:
     ranks = any(r.stream.world_size > 1 or len(run.streams_of(r.stream.gpu_uuid)) > 1 for r in rows)
     shown = rows
     if len(rows) > FLEET_ROWS:
-        by_peak = sorted(rows, key=lambda r: -(r.top["nvml_peak_bytes"] if r.top else -1))
+        by_peak = sorted(rows, key=lambda r: -(r.top.nvml_peak_bytes if r.top else -1))
         keep = {id(r) for r in by_peak[:6] + by_peak[-3:]}
         keep |= {id(r) for r in rows if r.lost or (r.stream.gpu, r.stream.pid) in odd_ranks}
         shown = [r for r in rows if id(r) in keep]
@@ -340,9 +374,9 @@ def _fleet(run: Run, console: Any) -> None:
             *([str(st.rank)] if ranks else []),
             row.node,
             str(len(st.records)),
-            str(st.records[-1]["step"]) if st.records else "—",
-            _c(row.top["nvml_peak_bytes"]) if row.top else "—",
-            str(row.top["step"]) if row.top else "—",
+            str(st.records[-1].step) if st.records else "—",
+            _c(row.top.nvml_peak_bytes) if row.top else "—",
+            str(row.top.step) if row.top else "—",
             _c(row.alloc, "—"),
             state,
         )
@@ -375,13 +409,13 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
         if row.top is None:
             continue
         cur = gpu_top.get(row.stream.gpu)
-        if cur is None or row.top["nvml_peak_bytes"] > cur.top["nvml_peak_bytes"]:
+        if cur is None or row.top.nvml_peak_bytes > cur.top.nvml_peak_bytes:
             gpu_top[row.stream.gpu] = row
     measured = list(gpu_top.values())
     if len(measured) > 1:
-        hi = max(measured, key=lambda row: row.top["nvml_peak_bytes"])
-        lo = min(measured, key=lambda row: row.top["nvml_peak_bytes"])
-        hb, lb = hi.top["nvml_peak_bytes"], lo.top["nvml_peak_bytes"]
+        hi = max(measured, key=lambda row: row.top.nvml_peak_bytes)
+        lo = min(measured, key=lambda row: row.top.nvml_peak_bytes)
+        hb, lb = hi.top.nvml_peak_bytes, lo.top.nvml_peak_bytes
         pct = (hb / lb - 1) * 100 if lb else 0.0
         if hb == lb:
             out.append(
@@ -391,12 +425,12 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
         else:
             out.append(
                 f"Highest within-step peak: GPU {hi.stream.gpu} on node {hi.node}, {g(hb)} in "
-                f"step {hi.top['step']}; lowest: GPU {lo.stream.gpu} on node {lo.node}, "
+                f"step {hi.top.step}; lowest: GPU {lo.stream.gpu} on node {lo.node}, "
                 f"{g(lb)} — the highest is {g(hb - lb)} ({pct:.1f} %) above."
             )
         nodes: dict[str, int] = {}
         for row in measured:
-            nodes[row.node] = max(nodes.get(row.node, 0), row.top["nvml_peak_bytes"])
+            nodes[row.node] = max(nodes.get(row.node, 0), row.top.nvml_peak_bytes)
         if len(nodes) > 1:
             out.append(
                 "Per node, highest peak: "
@@ -424,7 +458,7 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
         if not row.lost and 0 < len(recs) < most and row.stream.world_size > 1:
             out.append(
                 f"Rank {row.stream.rank} (GPU {row.stream.gpu}, pid {row.stream.pid}) stopped "
-                f"after step {recs[-1]['step']}: {len(recs)} of {most} steps — its process "
+                f"after step {recs[-1].step}: {len(recs)} of {most} steps — its process "
                 "ended early or died; its steps up to then are kept."
             )
     for row in rows:
@@ -434,7 +468,7 @@ def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
                 f"GPU {row.stream.gpu} on node {row.node} was LOST: its sampler could not be "
                 "reached at the end of the run (its node removed or dead, or the actor killed); "
                 + (
-                    f"its records stop at step {recs[-1]['step']} ({len(recs)} of {most} "
+                    f"its records stop at step {recs[-1].step} ({len(recs)} of {most} "
                     "steps), kept as drained before."
                     if recs
                     else "none of its step records had been drained."
@@ -512,19 +546,19 @@ def sampling_line(meta: dict[str, Any]) -> str:
     return line + "."
 
 
-def _lead_up(root: Path, uuid: str, recs: list[dict[str, Any]], step: int, n: int = 10) -> str:
+def _lead_up(root: Path, uuid: str, recs: list[StepRecord], step: int, n: int = 10) -> str:
     """The NVML samples leading to a failed step's end, from the run store: ``n`` readings
     evenly spaced over the last second before it (the steps before included)."""
     from collector.store import RunStore
 
-    rec = next((r for r in recs if r["step"] == step), None)
+    rec = next((r for r in recs if r.step == step), None)
     try:
         samples = RunStore(root).samples(uuid)
     except (OSError, ValueError):
         return ""
     if rec is None or samples is None or not len(samples):
         return ""
-    end = int(rec["end_ns"])
+    end = int(rec.end_ns)
     start = end - 1_000_000_000
     w = samples[(samples["t_ns"] >= start) & (samples["t_ns"] <= end)]
     if not len(w):

@@ -609,7 +609,10 @@ def run_job(opts: JobOptions, echo=print) -> JobResult:
         interrupted=interrupted,
     )
     name = options.run_id if run.writer is not None else "(not stored: --no-store)"
-    text, _ = render_report(Run(name, result.meta(), run.records))
+    shown = Run(name, result.meta(), run.records)
+    if run.writer is not None:
+        shown.root = run.writer.root  # its allocation history, the samples before a failure
+    text, _ = render_report(shown)
     echo(text.rstrip())
     pushed = remote_write_line(run.health)
     if pushed:

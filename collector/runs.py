@@ -12,6 +12,7 @@ Nothing read is ever executed: JSON, Parquet and numbers only, each field checke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.errors import InputError
+from collector.records import StepRecord
 
 __all__ = ["Run", "Stream", "check_meta", "check_records", "load_run", "number_records"]
 
@@ -53,11 +55,11 @@ def _finite(v: Any) -> bool:
     )
 
 
-def check_records(records: Any, source: str) -> list[dict[str, Any]]:
-    """``records`` if they are step records stepmem can read; otherwise :class:`InputError`
-    naming the first bad record and field (records come from files anyone can edit): types,
-    byte figures that are whole, not negative and not absurd, finite allocator figures, and no
-    step given twice."""
+def check_records(records: Any, source: str) -> list[StepRecord]:
+    """``records`` as typed :class:`StepRecord` objects if they are step records stepmem can read;
+    otherwise :class:`InputError` naming the first bad record and field (records come from files
+    anyone can edit): types, byte figures that are whole, not negative and not absurd, finite
+    allocator figures, and no step given twice."""
     if not isinstance(records, list):
         raise InputError(f"{source}: 'records' must be a list, got {type(records).__name__}")
     seen: set[tuple[Any, ...]] = set()
@@ -117,7 +119,13 @@ def check_records(records: Any, source: str) -> list[dict[str, Any]]:
                 "same sequence number)"
             )
         seen.add(key)
-    return records
+    out = []
+    for i, r in enumerate(records):
+        try:
+            out.append(StepRecord.from_dict({k: v for k, v in r.items() if v is not None}))
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{source}: record {i}: {exc}") from None
+    return out
 
 
 def _phase_ok(p: dict[str, Any]) -> bool:
@@ -178,15 +186,15 @@ def check_meta(meta: Any, source: str) -> dict[str, Any]:
     return meta
 
 
-def number_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def number_records(records: list[StepRecord]) -> list[StepRecord]:
     """Records without a ``seq`` (written before it existed) get one: 1, 2, … in time order per
     GPU and process. Records are returned in (GPU, time) order."""
-    out = sorted(records, key=lambda r: (r["gpu_uuid"], r.get("begin_ns", 0)))
+    out = sorted(records, key=lambda r: (r.gpu_uuid, r.begin_ns))
     seen: Counter[tuple[str, int]] = Counter()
     for r in out:
-        if not r.get("seq"):
-            seen[(r["gpu_uuid"], r.get("pid", 0))] += 1
-            r["seq"] = seen[(r["gpu_uuid"], r.get("pid", 0))]
+        if not r.seq:
+            seen[(r.gpu_uuid, r.pid)] += 1
+            r.seq = seen[(r.gpu_uuid, r.pid)]
     return out
 
 
@@ -199,21 +207,21 @@ class Stream:
     pid: int
     rank: int
     world_size: int
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
 
     @property
     def steps_repeat(self) -> bool:
         """The caller's step numbers are not one increasing series (epochs restarted them)."""
-        steps = [r["step"] for r in self.records]
+        steps = [r.step for r in self.records]
         return any(b <= a for a, b in itertools.pairwise(steps))
 
-    def numbered(self) -> list[dict[str, Any]]:
+    def numbered(self) -> list[StepRecord]:
         """The records as the diagnosis reads them: by the caller's step numbers when those
-        name each step once and grow; otherwise by the probe's sequence number (each record
-        keeps its own number as ``user_step``)."""
+        name each step once and grow; otherwise by the probe's sequence number (the table
+        shows both)."""
         if not self.steps_repeat:
             return self.records
-        return [{**r, "user_step": r["step"], "step": r["seq"]} for r in self.records]
+        return [dataclasses.replace(r, step=r.seq) for r in self.records]
 
     def label(self, several: bool) -> str:
         """`` rank 1 (pid 4242)`` when the GPU has several streams or the run several ranks."""
@@ -228,40 +236,42 @@ def _name_ranks(streams: list[Stream]) -> None:
     the GPU are named as such (NVML knows them only by pid and command line)."""
     names = {s.pid: f"rank {s.rank} of this run" for s in streams if s.pid}
     for s in streams:
-        for i, r in enumerate(s.records):
-            procs = (r.get("processes") or {}).get("procs")
+        for r in s.records:
+            procs = r.processes.get("procs")
             if not procs or not any(p[0] in names for p in procs):
                 continue
             renamed = [[p[0], p[1], names.get(p[0], p[2] if len(p) > 2 else "")] for p in procs]
-            s.records[i] = {**r, "processes": {**r["processes"], "procs": renamed}}
+            r.processes = {**r.processes, "procs": renamed}
 
 
 class Run:
     """One run's step records: per GPU (``by_gpu``, in sampler index order, then any GPU the
     records name that no sampler lists) and per stream (``streams``), and the GPUs' capacities."""
 
-    def __init__(self, name: str, meta: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, name: str, meta: dict[str, Any], records: list[StepRecord] | list[dict[str, Any]]
+    ) -> None:
         self.name = name
         self.meta = meta
         self.root: Path | None = None  # the run directory, when read from the run store
         self.source = name  # what the user gave (a path to show in commands)
-        records = number_records(records)
+        if records and isinstance(records[0], dict):  # built in code: checked like a file
+            records = check_records(records, name)
+        typed = number_records(list(records))  # type: ignore[arg-type]
         samplers = sorted(meta.get("samplers", []), key=lambda s: (s["node_id"], s["index"]))
         self.gpus = [s["gpu_uuid"] for s in samplers]
-        self.gpus += sorted({r["gpu_uuid"] for r in records} - set(self.gpus))
+        self.gpus += sorted({r.gpu_uuid for r in typed} - set(self.gpus))
         self.totals = {s["gpu_uuid"]: s["total_bytes"] for s in samplers}
-        self.by_gpu: dict[str, list[dict[str, Any]]] = {u: [] for u in self.gpus}
-        for r in records:
-            self.by_gpu[r["gpu_uuid"]].append(r)
+        self.by_gpu: dict[str, list[StepRecord]] = {u: [] for u in self.gpus}
+        for r in typed:
+            self.by_gpu[r.gpu_uuid].append(r)
         self.streams: list[Stream] = []
         for i, uuid in enumerate(self.gpus):
             by_pid: dict[int, Stream] = {}
             for r in self.by_gpu[uuid]:
-                s = by_pid.get(r.get("pid", 0))
+                s = by_pid.get(r.pid)
                 if s is None:
-                    s = by_pid[r.get("pid", 0)] = Stream(
-                        uuid, i, r.get("pid", 0), r.get("rank", 0), r.get("world_size", 1)
-                    )
+                    s = by_pid[r.pid] = Stream(uuid, i, r.pid, r.rank, r.world_size)
                 s.records.append(r)
             self.streams += sorted(by_pid.values(), key=lambda s: (s.rank, s.pid))
             if not by_pid:
@@ -272,10 +282,11 @@ class Run:
             total = self.totals.get(uuid)
             for r in recs:
                 for k in ("nvml_peak_bytes", "nvml_end_bytes"):
-                    if total and (r.get(k) or 0) > total:
+                    v = getattr(r, k)
+                    if total and (v or 0) > total:
                         raise InputError(
-                            f"{name}: step {r['step']} of GPU {uuid}: {k} {r[k]} is more than "
-                            f"the card's {total} bytes"
+                            f"{name}: step {r.step} of GPU {uuid}: {k} {v} is more than the "
+                            f"card's {total} bytes"
                         )
 
     @property
@@ -295,7 +306,7 @@ def load_run(path: str | Path) -> Run:
 
         store = RunStore(path)
         check_meta(store.meta, str(path / "meta.json"))
-        records = [r.to_dict() for r in store.records()]
+        records = store.records()
         meta = dict(store.meta)
         torn = store.unreadable_parts("events")
         if torn:  # the steps are whole: report them, and say what cannot be read
@@ -304,12 +315,21 @@ def load_run(path: str | Path) -> Run:
                 f"{len(torn)} part(s) of the probe's events cannot be read ({', '.join(torn)}); "
                 "the step records below are unaffected",
             ]
-        run = Run(path.name, meta, check_records(records, str(path / "steps")))
+        run = Run(path.name, meta, check_records([r.to_dict() for r in records], str(path)))
         run.root = path
         run.source = str(path)
         return run
     if not path.is_file():
         raise InputError(f"{path} is neither a run directory nor a records file")
+    if path.name.endswith(".capture.parquet"):
+        from collector.offline import capture_run_meta, records_from_capture
+        from collector.replay import Capture
+
+        cap = Capture.load(path)  # validated: a capture is untrusted data too
+        recs = records_from_capture(cap)
+        run = Run(path.name.removesuffix(".capture.parquet"), capture_run_meta(path, cap), recs)
+        run.source = str(path)
+        return run
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -59,39 +59,34 @@ def _panels(run: Run, store: RunStore) -> list[dict[str, Any]]:
     for df in traces.values():
         if df is not None and len(df):
             t0 = int(df["t_ns"].min()) if t0 is None else min(t0, int(df["t_ns"].min()))
-    t0 = t0 or min((r["begin_ns"] for u in run.gpus for r in run.by_gpu[u]), default=0)
+    t0 = t0 or min((r.begin_ns for u in run.gpus for r in run.by_gpu[u]), default=0)
     for i, uuid in enumerate(run.gpus):
         df = traces[uuid]
         recs = run.by_gpu[uuid]
         accs = {a.step: a for a in accounts(recs)}
         split = any(a.unsplit is None for a in accs.values())
         steps = []
+
+        def gib(v: int | None, base: int = 0) -> float | None:
+            return None if v is None else (v + base) / GIB
+
         for r in recs:
-            te = r.get("torch_end") or {}
-            base = te.get("context_baseline_bytes", 0)
+            base = r.context_baseline or 0
             steps.append(
                 {
-                    "step": r["step"],
-                    "begin": (r["begin_ns"] - t0) / 1e9,
-                    "end": (r["end_ns"] - t0) / 1e9,
-                    "peak_t": ((r.get("nvml_peak_t_ns") or r["end_ns"]) - t0) / 1e9,
-                    "nvml_peak": None
-                    if r.get("nvml_peak_bytes") is None
-                    else r["nvml_peak_bytes"] / GIB,
-                    "nvml_end": None
-                    if r.get("nvml_end_bytes") is None
-                    else r["nvml_end_bytes"] / GIB,
-                    "reserved_peak": None
-                    if r.get("torch_reserved_peak_bytes") is None
-                    else (r["torch_reserved_peak_bytes"] + base) / GIB,
-                    "reserved_end": None
-                    if "reserved_bytes.all.current" not in te
-                    else (te["reserved_bytes.all.current"] + base) / GIB,
-                    "ledger": {k: (r.get("ledger") or {}).get(k, 0) / GIB for k in LEDGER},
-                    "error": r.get("error") or "",
+                    "step": r.step,
+                    "begin": (r.begin_ns - t0) / 1e9,
+                    "end": (r.end_ns - t0) / 1e9,
+                    "peak_t": ((r.nvml_peak_t_ns or r.end_ns) - t0) / 1e9,
+                    "nvml_peak": gib(r.nvml_peak_bytes),
+                    "nvml_end": gib(r.nvml_end_bytes),
+                    "reserved_peak": gib(r.torch_reserved_peak_bytes, base),
+                    "reserved_end": gib(r.reserved_end, base),
+                    "ledger": {k: r.ledger_of(k) / GIB for k in LEDGER},
+                    "error": r.error,
                     # every byte at step end (when NVML's per-process readings split it)
-                    "account": {k: v / GIB for k, v in accs[r["step"]].components().items()}
-                    if split and r["step"] in accs
+                    "account": {k: v / GIB for k, v in accs[r.step].components().items()}
+                    if split and r.step in accs
                     else {},
                 }
             )

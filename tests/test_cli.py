@@ -244,9 +244,10 @@ def test_main_job_runs_the_whole_pipeline_on_replay_and_says_so_first(tmp_path):
     begins = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "begin"}
     ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
     for r in doc["records"]:
-        # A loaded 2-core CI machine may delay the sampling thread past the 20 ms stall mark;
-        # that is flagged, and the plateau peaks of this capture are still caught exactly.
-        assert r["gap"] in ("", "stall")
+        # A loaded 2-core CI machine may delay the sampling thread (a stall, fewer samples than
+        # the rate promised, no sample near the end mark): that is flagged, and the plateau
+        # peaks of this capture are still caught.
+        assert set(r["gap"].split()) <= {"stall", "undersampled", "stale_end"}
         # At 4x speed a value the capture held for 1 ms lasts 0.25 ms and a 1 kHz sampler may
         # step over it; exactness is shown in test_placement at speeds where it cannot.
         expected = cap.max_in_force(begins[r["step"]], ends[r["step"]])

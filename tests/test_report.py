@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from collector.compare import compare
-from collector.diagnose import GIB, diagnose
+from collector.diagnosis import diagnose
+from collector.diagnosis.kinds import GIB
 from collector.report import render_report
 from collector.runs import load_run
 
@@ -40,7 +41,7 @@ def test_unpaged_step_2_jump_is_explained_by_the_optimizer_state():
     assert n["new_state_bytes"] / GIB == pytest.approx(13.48, abs=0.01)
     assert n["peak_phase"] == "forward_backward"
     assert (
-        "12.65 GiB" in jump.text and "Optimizer state (13.48 GiB) appeared in step 1" in jump.text
+        "12.65 GiB" in jump.text and "optimizer state (13.48 GiB) appeared in step 1" in jump.text
     )
     assert f["steady_state"].numbers["step"] == 3
     # the largest NVML peak is named with the phase it falls in
@@ -51,9 +52,13 @@ def test_unpaged_step_2_jump_is_explained_by_the_optimizer_state():
 
 def test_unpaged_small_step_3_growth_is_the_allocators():
     run = load_run(H200 / "adamw_8bit.records.json")
-    jumps = [x for x in diagnose(run.by_gpu[run.gpus[0]]) if x.rule == "jump"]
-    assert [j.numbers["to_step"] for j in jumps] == [2, 3]
-    assert jumps[1].numbers["cause"] == "allocator"  # +0.49 GiB with no growth of the peak
+    fs = diagnose(run.by_gpu[run.gpus[0]])
+    assert [j.numbers["to_step"] for j in fs if j.rule == "jump"] == [2]
+    # +0.49 GiB reserved with no growth of the peak: the allocator's, one fragmentation finding
+    (frag,) = [x for x in fs if x.rule == "fragmentation"]
+    ((a, b, jump),) = frag.numbers["jumps"]
+    assert (a, b) == (2, 3) and jump / GIB == pytest.approx(0.49, abs=0.01)
+    assert "expandable_segments:True" in frag.text
 
 
 def test_paged_state_is_outside_torch_and_inside_nvml():
@@ -73,11 +78,12 @@ def store_findings(name):
 
 def test_the_7b_run_under_ray_job_submit_shows_the_same_step_2_jump():
     fs, run = store_findings("h200-7b-adamw")
-    (first, second) = [f for f in fs if f.rule == "jump"]
+    (first,) = [f for f in fs if f.rule == "jump"]
     assert (first.numbers["to_step"], first.numbers["cause"]) == (2, "peak")
     assert first.numbers["reserved_jump"] / GIB == pytest.approx(12.65, abs=0.01)
     assert first.numbers["new_state_bytes"] / GIB == pytest.approx(13.48, abs=0.01)
-    assert second.numbers["cause"] == "allocator"
+    (frag,) = [f for f in fs if f.rule == "fragmentation"]
+    assert [j[:2] for j in frag.numbers["jumps"]] == [(2, 3)]
     assert run.meta["status"] == "complete" and len(run.by_gpu[run.gpus[0]]) == 6
 
 
@@ -85,27 +91,25 @@ def test_a_recorded_leak_is_named_as_live_tensors_growing():
     fs, _ = store_findings("h200-leak")
     f = {x.rule: x for x in fs}
     assert "steady_state" not in f and "jump" not in f  # 256 MiB a step: growth, not jumps
-    grow = f["growing"]
-    assert grow.numbers["pool"] == "torch allocated"
-    assert grow.numbers["bytes_per_step"] / (1 << 20) == pytest.approx(256, rel=0.01)
-    assert "a leak" in grow.text
+    leak = f["leak"]
+    assert leak.numbers["pool"] == "torch allocated"
+    assert leak.numbers["bytes_per_step"] / (1 << 20) == pytest.approx(256, rel=0.01)
+    assert leak.text.startswith("Leak: live tensors grow 256 MiB a step")
+    assert "growing" not in f and "fragmentation" not in f  # one phenomenon, one finding
 
 
 def test_a_recorded_allocator_jump_is_not_taken_for_new_state():
     fs, _ = store_findings("h200-allocator")
-    jumps = [x for x in fs if x.rule == "jump"]
-    # blocks of 256 -> 384 -> 512 -> 640 MiB, ~4 GiB live each step: new segments each time
-    assert [(j.numbers["to_step"], j.numbers["cause"]) for j in jumps] == [
-        (2, "allocator"),
-        (3, "allocator"),
-        (4, "allocator"),
-    ]
-    for j in jumps:
-        assert j.numbers["reserved_jump"] / GIB == pytest.approx(3.9, abs=0.2)
-        assert abs(j.numbers["allocated_peak_growth"]) / GIB <= 0.26
-        assert "not from new state" in j.text
+    # blocks of 256 -> 384 -> 512 -> 640 MiB, ~4 GiB live each step: new segments each time,
+    # the allocator's jumps, named once as fragmentation
+    assert not [x for x in fs if x.rule == "jump"]
+    (frag,) = [x for x in fs if x.rule == "fragmentation"]
+    assert [j[:2] for j in frag.numbers["jumps"]] == [(1, 2), (2, 3), (3, 4)]
+    for _, _, jump in frag.numbers["jumps"]:
+        assert jump / GIB == pytest.approx(3.9, abs=0.2)
+    assert frag.numbers["unexplained_growth"] / GIB == pytest.approx(11.6, abs=0.6)
     assert [x.numbers["step"] for x in fs if x.rule == "steady_state"] == [4]
-    assert not [x for x in fs if x.rule in ("growing", "transient", "oom")]
+    assert not [x for x in fs if x.rule in ("growing", "leak", "oom")]
 
 
 def test_a_recorded_oom_names_the_step_and_the_peak_before_it(record_fault):
@@ -116,17 +120,16 @@ def test_a_recorded_oom_names_the_step_and_the_peak_before_it(record_fault):
     assert n["peak"] / GIB == pytest.approx(133.72, abs=0.01)
     assert n["previous_peak"] / GIB == pytest.approx(133.72, abs=0.01)
     assert n["allocated_at_failure"] / GIB == pytest.approx(133.04, abs=0.01)
-    # the leak that led there: one finding for the 10 steps of kept tensors
-    (live,) = [x for x in fs if x.rule == "jump"]
-    assert (live.numbers["cause"], live.numbers["jumps"]) == ("live", 10)
-    assert [x.numbers["pool"] for x in fs if x.rule == "growing"] == ["torch allocated"]
+    # the leak that led there: one finding, its 10 jumps of kept tensors folded into it
+    (leak,) = [x for x in fs if x.rule == "leak"]
+    assert leak.numbers["jumps"] == 10 and not [x for x in fs if x.rule == "jump"]
     assert run.meta["status"] == "failed" and "OutOfMemoryError" in run.meta["error"]
     recs = run.by_gpu[run.gpus[0]]
-    assert [r["step"] for r in recs if r.get("error")] == [12]
+    assert [r.step for r in recs if r.failed] == [12]
     from collector.store import RunStore
 
     samples = RunStore(JOBS / "h200-oom").samples(run.gpus[0])
-    end = recs[-1]["end_ns"]
+    end = recs[-1].end_ns
     record_fault(
         "the workload dies of a CUDA OOM (H200, benchmarks/results/h200-jobs)",
         "the job prints the report and exits 1; the OOM step is recorded (error "
@@ -175,6 +178,9 @@ def step(i, alloc, reserved, peak, nvml_end=None, **extra):
     return {
         "gpu_uuid": "GPU-x",
         "step": i,
+        "begin_ns": i * 10**9,
+        "end_ns": i * 10**9 + 8 * 10**8,
+        "samples": 800,
         "nvml_peak_bytes": (nvml_end or reserved) + GIB,
         "nvml_end_bytes": nvml_end or reserved,
         "torch_allocated_peak_bytes": peak,
@@ -197,9 +203,9 @@ def test_a_steady_leak_is_named_with_its_pool_and_rate():
         for i in range(1, 11)
     ]
     f = {x.rule: x for x in diagnose(recs)}
-    assert "steady_state" not in f
-    assert f["growing"].numbers["pool"] in ("torch allocated", "torch reserved", "NVML used")
-    assert f["growing"].numbers["bytes_per_step"] == pytest.approx(200 * (1 << 20))
+    assert "steady_state" not in f and "growing" not in f
+    assert f["leak"].numbers["pool"] == "torch allocated"
+    assert f["leak"].numbers["bytes_per_step"] == pytest.approx(200 * (1 << 20))
 
 
 def test_memory_that_moves_without_growing_is_not_called_a_leak():
@@ -227,7 +233,7 @@ def test_without_a_ledger_the_state_a_step_kept_is_read_from_the_allocator():
     recs[0]["torch_begin"] = {"allocated_bytes.all.current": 2 * GIB}
     (jump,) = [f for f in diagnose(recs) if f.rule == "jump"]
     assert jump.numbers["cause"] == "peak" and jump.numbers["kept_by_step"] == 13 * GIB
-    assert "created in step 1 and kept" in jump.text and "probe.watch" in jump.text
+    assert "created and kept 13.00 GiB" in jump.text and "probe.watch" in jump.text
 
 
 def test_a_jump_the_peak_does_not_explain_is_the_allocators():
@@ -237,8 +243,10 @@ def test_a_jump_the_peak_does_not_explain_is_the_allocators():
         step(3, 10 * GIB, 13 * GIB, 11 * GIB),
         step(4, 10 * GIB, 13 * GIB, 11 * GIB),
     ]
-    (jump,) = [x for x in diagnose(recs) if x.rule == "jump"]
-    assert jump.numbers["cause"] == "allocator" and "not from new state" in jump.text
+    fs = diagnose(recs)
+    assert not [x for x in fs if x.rule == "jump"]  # the allocator's: fragmentation says it
+    (frag,) = [x for x in fs if x.rule == "fragmentation"]
+    assert frag.numbers["jumps"] == [(1, 2, GIB)] and "beyond the allocated peak" in frag.text
 
 
 def test_an_oom_step_is_named_with_the_peak_before_it():
@@ -339,8 +347,8 @@ def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete(record_fa
     (uuid,) = run.gpus
     recs = run.by_gpu[uuid]
     assert run.meta["status"] == "interrupted" and run.meta["samples_lost"] == 0
-    assert [r["step"] for r in recs if not r.get("error")] == [1, 2, 3, 4, 5, 6]
-    assert [(r["step"], r["error"]) for r in recs if r.get("error")] == [(7, "KeyboardInterrupt")]
+    assert [r.step for r in recs if not r.failed] == [1, 2, 3, 4, 5, 6]
+    assert [(r.step, r.error) for r in recs if r.failed] == [(7, "KeyboardInterrupt")]
     (f,) = [x for x in diagnose(recs, run.totals[uuid]) if x.rule == "interrupted"]
     assert f.numbers["step"] == 7
     record_fault(

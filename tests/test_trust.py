@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from collector.compare import compare
-from collector.diagnose import diagnose
+from collector.diagnosis import diagnose
 from collector.report import render_report
 from collector.runs import load_run
 from collector.store import RunStore, RunWriter

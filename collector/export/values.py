@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.accounting import account, nontorch_bytes
+from collector.accounting import account
+from collector.records import Stat, StepRecord
 
 __all__ = ["step_values"]
 
 _TORCH_END = {
-    "stepmem_step_torch_allocated_end_bytes": "allocated_bytes.all.current",
-    "stepmem_step_torch_reserved_end_bytes": "reserved_bytes.all.current",
+    "stepmem_step_torch_allocated_end_bytes": Stat.ALLOCATED,
+    "stepmem_step_torch_reserved_end_bytes": Stat.RESERVED,
 }
 
 
@@ -25,24 +26,26 @@ _COMPONENT = {  # the accounting's names → the `component` label (a fixed set)
 }
 
 
-def _account(rec: dict[str, Any]) -> Any:
+def _account(rec: StepRecord) -> Any:
     """The step's account with the baseline the sampler has seen so far (the report uses the
     whole run's)."""
-    pid = rec.get("pid") or (rec.get("torch_begin") or {}).get("process_pid")
-    return account(rec, pid, (rec.get("processes") or {}).get("baseline"))
+    return account(rec, rec.process_pid or None, rec.processes.get("baseline"))
 
 
-def step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
-    """``(metric, extra labels, value)`` for every per-step series a step record has data for;
-    every one carries the step's ``rank``."""
-    rank = {"rank": str(rec.get("rank") or 0)}
+def step_values(rec: StepRecord | dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
+    """``(metric, extra labels, value)`` for every per-step series a step record has data for
+    (a record, or its ``to_dict`` form as it crosses a Ray call); every one carries the step's
+    ``rank``."""
+    if isinstance(rec, dict):
+        rec = StepRecord.from_dict(rec)
+    rank = {"rank": str(rec.rank)}
     return [(name, {**rank, **extra}, value) for name, extra, value in _step_values(rec)]
 
 
-def _step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
+def _step_values(rec: StepRecord) -> list[tuple[str, dict[str, str], float]]:
     out: list[tuple[str, dict[str, str], float]] = [
-        ("stepmem_step", {}, rec["step"]),
-        ("stepmem_step_duration_seconds", {}, (rec["end_ns"] - rec["begin_ns"]) / 1e9),
+        ("stepmem_step", {}, rec.step),
+        ("stepmem_step_duration_seconds", {}, (rec.end_ns - rec.begin_ns) / 1e9),
     ]
     for name, key in (  # a step without NVML samples has no NVML figures: no series, not 0
         ("stepmem_step_nvml_peak_bytes", "nvml_peak_bytes"),
@@ -50,19 +53,20 @@ def _step_values(rec: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]
         ("stepmem_step_torch_allocated_peak_bytes", "torch_allocated_peak_bytes"),
         ("stepmem_step_torch_reserved_peak_bytes", "torch_reserved_peak_bytes"),
     ):
-        if rec.get(key) is not None:
-            out.append((name, {}, rec[key]))
-    te = rec.get("torch_end") or {}
+        v = getattr(rec, key)
+        if v is not None:
+            out.append((name, {}, v))
     for name, key in _TORCH_END.items():
-        if key in te:
-            out.append((name, {}, te[key]))
-    nt = nontorch_bytes(rec)
+        v = rec.end_stat(key)
+        if v is not None:
+            out.append((name, {}, v))
+    nt = rec.nontorch_end
     if nt is not None:
         out.append(("stepmem_step_nontorch_bytes", {}, nt))
     acc = _account(rec)
     if acc is not None:
         for name, value in acc.components().items():
             out.append(("stepmem_step_account_bytes", {"component": _COMPONENT[name]}, value))
-    for kind, value in (rec.get("ledger") or {}).items():
+    for kind, value in rec.ledger.items():
         out.append(("stepmem_step_ledger_bytes", {"kind": kind}, value))
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "HISTORY_AFTER_JUMP",
     "HISTORY_JUMPS",
     "HISTORY_JUMP_BYTES",
     "HISTORY_MAX_ENTRIES",
@@ -25,7 +26,9 @@ log = logging.getLogger(__name__)
 HISTORY_STEPS = 3  # steps recorded with allocation stacks when a history folder is given
 HISTORY_MAX_ENTRIES = 200_000  # trace entries PyTorch keeps (a ring); older ones are dropped
 HISTORY_JUMP_BYTES = 256 << 20  # a jump of torch reserved this large gets its next step recorded
-HISTORY_JUMPS = 2  # steps recorded after jumps, at most, in a run
+HISTORY_JUMPS = 2  # jumps whose next steps are recorded, at most, in a run
+HISTORY_AFTER_JUMP = 2  # steps recorded after a jump: the one after it and the next (what the
+# first allocated and the second still holds is what the jump kept)
 
 
 class AllocationHistory:
@@ -34,8 +37,9 @@ class AllocationHistory:
     snapshot when they end (``history-steps-A-B.pickle``, open it in PyTorch's memory_viz) with
     the wall-clock time of each step mark (``marks.json``), so each allocation is placed in its
     step and phase. After that, when torch's reserved memory jumps by more than
-    :data:`HISTORY_JUMP_BYTES` from one step's end to the next, the step after it is recorded
-    too (``history-steps-N-N.pickle``; at most :data:`HISTORY_JUMPS` of them a run). And a
+    :data:`HISTORY_JUMP_BYTES` from one step's end to the next, the :data:`HISTORY_AFTER_JUMP`
+    steps after it are recorded too (``history-steps-N-M.pickle``, at most :data:`HISTORY_JUMPS`
+    jumps a run), so what the first of them allocated and the second still held is known. And a
     snapshot when the allocator runs out of memory (``oom-step-N.pickle``). Between recordings
     nothing is recorded and the steps pay nothing. Never raises into training; what failed is
     counted in ``errors``."""
@@ -110,7 +114,7 @@ class AllocationHistory:
             if not self.window_done and step >= first + self.steps - 1:
                 self.window_done = True
                 self._save_and_stop(first, step)
-            elif self.window_done:  # the step after a jump
+            elif self.window_done and step >= first + HISTORY_AFTER_JUMP - 1:  # after a jump
                 self._save_and_stop(first, step)
         elif self.window_done and jump > HISTORY_JUMP_BYTES and self.jumps_left > 0:
             self.jumps_left -= 1
