@@ -76,9 +76,7 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
         keep = set(range(15)) | set(range(len(pairs) - 15, len(pairs)))
         worst = max(
             range(len(pairs)),
-            key=lambda i: (
-                (pairs[i][1].nvml_peak_bytes or 0) - (pairs[i][0].nvml_peak_bytes or 0)
-            ),
+            key=lambda i: (pairs[i][1].nvml_peak_bytes or 0) - (pairs[i][0].nvml_peak_bytes or 0),
         )
         keep.add(worst)
     else:
