@@ -22,7 +22,7 @@ from collector.backends import BackendSpec, ReplayControl
 from collector.metrics import gpu_labels
 from collector.probe.outbox import SpoolReader
 from collector.procwatch import ProcessWatch, as_reading
-from collector.records import StepEvent
+from collector.records import Stat, StepEvent
 from collector.sampler import Sampler, StepJoiner
 from collector.settings import SamplerOptions
 
@@ -118,8 +118,8 @@ class SamplerActor:
         """:meth:`_processes_at` for a joined step, with ``baseline``: the smallest memory its
         process has held outside torch so far (for the live accounting series)."""
         snap = self._processes_at(rec.end_ns, rec.nvml_end_bytes)
-        pid = (rec.torch_begin or {}).get("process_pid")
-        reserved = (rec.torch_end or {}).get("reserved_bytes.all.current")
+        pid = (rec.torch_begin or {}).get(Stat.PROCESS_PID)
+        reserved = (rec.torch_end or {}).get(Stat.RESERVED)
         if snap is None or pid is None or reserved is None:
             return snap
         v = outside_share(snap["procs"], pid, int(reserved))
@@ -339,6 +339,7 @@ class SamplerActor:
             "samples_total": s.ring.count,
             "errors": dict(s.errors),
             "missed_deadlines": s.missed,
+            "sampler_niceness": s.niceness,
             "rate_hz": s.achieved_rate_hz(),
             "mean_rate_hz": s.mean_rate_hz(),
             "events_received": self.events_received,

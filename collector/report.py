@@ -537,6 +537,12 @@ def sampling_line(meta: dict[str, Any]) -> str:
         reachable = min(reachable, 1e9 / coarse)
     if reachable and min(rates) < 0.5 * reachable:
         line += " — the samplers got too little CPU: short transients may be missed"
+        nice = max((int(h.get("sampler_niceness") or 0) for h in health), default=0)
+        if nice > 0:
+            line += (
+                f" (their threads ran at nice {nice}, Ray's for its workers: lowering it needs "
+                "CAP_SYS_NICE)"
+            )
     if coarse > 2_000_000:
         line += (
             f". The NVML trace resolves {coarse / 1e6:.0f} ms (the capture's own rate): "

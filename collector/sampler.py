@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from collector.nvml import NvmlError, NvmlGpuLost
-from collector.records import ERROR_PREFIX, StepEvent, StepRecord
+from collector.records import ERROR_PREFIX, Stat, StepEvent, StepRecord
 from collector.settings import DEFAULT_CAPACITY, DEFAULT_RATE, Rate
 
 __all__ = [
@@ -58,6 +58,12 @@ UNDERSAMPLED_SHARE = 0.5  # a step with fewer samples than this share of its rat
 UNDERSAMPLED_MIN = 4  # … when its rate promised at least this many
 _NS = 1_000_000_000
 MAX_SLEEP_NS = 50_000_000
+# Ray starts its worker processes at nice 15 (``RAY_worker_niceness``): on a machine whose other
+# processes run at the usual 0 and keep every core busy, a thread at 15 gets a few per cent of a
+# core and the sampler misses most of its deadlines. The sampling thread alone (a few per cent
+# of one core at 1 kHz) asks for an ordinary process's niceness; where that is not permitted
+# (lowering niceness needs CAP_SYS_NICE or RLIMIT_NICE) it keeps Ray's, and health says which.
+SAMPLER_NICENESS = 0
 
 
 class Device(Protocol):
@@ -222,6 +228,7 @@ class Sampler:
         self._running = False
         self._thread: threading.Thread | None = None
         self._last_error_log = 0
+        self.niceness: int | None = None  # the sampling thread's, once it runs
 
     @property
     def rate_hz(self) -> float:
@@ -287,7 +294,24 @@ class Sampler:
                 err.kind,
             )
 
+    def _take_priority(self) -> None:
+        """Give the sampling thread :data:`SAMPLER_NICENESS` when its process runs nicer (a
+        Ray worker) and the system permits; note the niceness it runs at."""
+        import os
+
+        tid = threading.get_native_id()
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > SAMPLER_NICENESS:
+                os.setpriority(os.PRIO_PROCESS, tid, SAMPLER_NICENESS)
+        except OSError:  # not permitted: Ray's niceness stays, and is said in health
+            pass
+        try:
+            self.niceness = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError:
+            self.niceness = None
+
     def _run(self) -> None:
+        self._take_priority()
         append, clock = self.ring.append, self._clock
         sample_at = getattr(self.device, "sample_at", None)
         if sample_at is None:  # live NVML: stamped when the reading arrived
@@ -575,15 +599,15 @@ class StepJoiner:
             nvml_begin_bytes=at_begin[1] if at_begin else None,
             nvml_reserved_bytes=at_end[2] if at_end else None,
             gap=gap,
-            torch_allocated_peak_bytes=_step_peak("allocated_bytes.all.peak", phases, end),
-            torch_reserved_peak_bytes=_step_peak("reserved_bytes.all.peak", phases, end),
+            torch_allocated_peak_bytes=_step_peak(Stat.ALLOCATED_PEAK, phases, end),
+            torch_reserved_peak_bytes=_step_peak(Stat.RESERVED_PEAK, phases, end),
             torch_begin=dict(begin.torch),
             torch_end=dict(end.torch),
             phases=self._phases(begin, end, phases),
             ledger=dict(end.ledger),
             error=_error_of(end),
             seq=begin.seq,
-            pid=begin.pid or int(begin.torch.get("process_pid", 0)),
+            pid=begin.pid or int(begin.torch.get(Stat.PROCESS_PID, 0)),
             rank=begin.rank,
             world_size=begin.world_size,
         )
@@ -611,9 +635,9 @@ class StepJoiner:
                     "nvml_peak_t_ns": None if k is None else int(w.t_ns[k]),
                     # the device and torch's reserved pool at the mark that opens the phase
                     "nvml_begin_bytes": at[1] if at else None,
-                    "torch_reserved_begin_bytes": opener.torch.get("reserved_bytes.all.current"),
-                    "torch_allocated_peak_bytes": closer.torch.get("allocated_bytes.all.peak", 0),
-                    "torch_reserved_peak_bytes": closer.torch.get("reserved_bytes.all.peak", 0),
+                    "torch_reserved_begin_bytes": opener.torch.get(Stat.RESERVED),
+                    "torch_allocated_peak_bytes": closer.torch.get(Stat.ALLOCATED_PEAK, 0),
+                    "torch_reserved_peak_bytes": closer.torch.get(Stat.RESERVED_PEAK, 0),
                 }
             )
         return out

@@ -47,7 +47,8 @@ def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers, record_fau
     # the healthy GPU goes on
     assert health[ok.gpu_uuid]["errors"] == {}
     assert health[ok.gpu_uuid]["samples_total"] > before[ok.gpu_uuid] + 200
-    assert recs[ok.gpu_uuid][0]["gap"] == "" and recs[ok.gpu_uuid][0]["samples"] > 200
+    # (a loaded machine may flag its timing, never a hole: no_samples is the failing one's)
+    assert "no_samples" not in recs[ok.gpu_uuid][0]["gap"] and recs[ok.gpu_uuid][0]["samples"] > 200
     # the failing one counts its errors by kind, keeps running, and reports the hole
     assert health[failing.gpu_uuid]["errors"]["unknown"] > 200
     assert health[failing.gpu_uuid]["alive"] is True

@@ -91,8 +91,13 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
         assert [r["step"] for r in records] == list(range(1, steps + 1))
         for r in records:
             expected = cap.max_in_force(begins[r["step"]], ends[r["step"]])
-            assert r["gap"] in ("", "stall"), r  # a loaded CI box may delay the thread >20 ms
-            assert r["nvml_peak_bytes"] == expected, (r["step"], r["nvml_peak_bytes"], expected)
+            # a loaded CI box may delay the thread: flagged, never hidden
+            flags = set(r["gap"].split())
+            assert flags <= {"stall", "undersampled", "stale_end"}, r
+            if "undersampled" in flags:  # a starved sampler may miss a transient, never add one
+                assert r["nvml_peak_bytes"] <= expected, (r["step"], r["nvml_peak_bytes"])
+            else:
+                assert r["nvml_peak_bytes"] == expected, (r["step"], r["nvml_peak_bytes"], expected)
             assert r["torch_end"] == next(
                 e["torch"] for e in cap.events if e["kind"] == "end" and e["step"] == r["step"]
             )

@@ -34,6 +34,7 @@ from collector.metrics import (
     METRICS,
     REMOTE_WRITE_DROP_REASONS,
 )
+from collector.records import Stat
 from collector.settings import DEFAULT_WINDOW_S
 
 __all__ = ["SamplerCollector", "Snapshot", "serve"]
@@ -89,9 +90,9 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
         yield from step_values(rec)
         yield "stepmem_step_gap", rank, 1 if rec.get("gap") else 0
         te = rec.get("torch_end") or {}
-        if "num_alloc_retries" in te:
-            yield "stepmem_torch_alloc_retries_total", rank, te["num_alloc_retries"]
-            yield "stepmem_torch_ooms_total", rank, te.get("num_ooms", 0)
+        if Stat.RETRIES in te:
+            yield "stepmem_torch_alloc_retries_total", rank, te[Stat.RETRIES]
+            yield "stepmem_torch_ooms_total", rank, te.get(Stat.OOMS, 0)
     yield "stepmem_sampler_samples_total", {}, s.samples_total
     for kind, n in (dict.fromkeys(ERROR_KINDS, 0) | s.errors).items():
         yield "stepmem_sampler_errors_total", {"kind": kind}, n

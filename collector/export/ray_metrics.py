@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from collector.records import Stat
+
 __all__ = ["RAY_GAUGES", "RayGauges"]
 
 TAGS = ("node", "gpu", "gpu_uuid", "run")
@@ -57,10 +59,10 @@ class RayGauges:
                     "torch_reserved_peak_bytes"
                 ]
             te = rec.get("torch_end") or {}
-            if "num_ooms" in te:
-                out["stepmem_torch_ooms"] = te["num_ooms"]
-            if "num_alloc_retries" in te:
-                out["stepmem_torch_alloc_retries"] = te["num_alloc_retries"]
+            if Stat.OOMS in te:
+                out["stepmem_torch_ooms"] = te[Stat.OOMS]
+            if Stat.RETRIES in te:
+                out["stepmem_torch_alloc_retries"] = te[Stat.RETRIES]
         return out
 
     def update(self, snap: Any) -> None:

@@ -39,26 +39,26 @@ from typing import Any
 from collector.probe.ledger import LEDGER_KINDS, LIVE_KINDS, LedgerCache, UnshardWatch, ledger
 from collector.probe.outbox import Outbox, RaySamplers
 from collector.probe.recording import HISTORY_STEPS, AllocationHistory
-from collector.records import ERROR_PREFIX, StepEvent
+from collector.records import ERROR_PREFIX, Stat, StepEvent
 
 __all__ = ["TORCH_KEYS", "LedgerCache", "Outbox", "StepProbe", "cuda_uuid", "ledger"]
 
 log = logging.getLogger(__name__)
 
 TORCH_KEYS = (
-    "allocated_bytes.all.current",
-    "allocated_bytes.all.peak",
-    "reserved_bytes.all.current",
-    "reserved_bytes.all.peak",
-    "active_bytes.all.current",
-    "active_bytes.all.peak",
-    "inactive_split_bytes.all.current",
-    "inactive_split_bytes.all.peak",
-    "segment.all.current",
-    "num_alloc_retries",
-    "num_ooms",
-    "num_device_alloc",
-    "num_device_free",
+    Stat.ALLOCATED,
+    Stat.ALLOCATED_PEAK,
+    Stat.RESERVED,
+    Stat.RESERVED_PEAK,
+    Stat.ACTIVE,
+    Stat.ACTIVE_PEAK,
+    Stat.INACTIVE_SPLIT,
+    Stat.INACTIVE_SPLIT_PEAK,
+    Stat.SEGMENTS,
+    Stat.RETRIES,
+    Stat.OOMS,
+    Stat.DEVICE_ALLOCS,
+    Stat.DEVICE_FREES,
 )
 _PATHS = [(k, tuple(k.split("."))) for k in TORCH_KEYS]
 CPU = "cpu"
@@ -66,7 +66,7 @@ RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
 CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ranks in CI)
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
-_LOG_PEAKS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak")
+_LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
 GIB = 1 << 30
 
 
@@ -80,9 +80,9 @@ def allocator_mode() -> dict[str, int]:
     conf = conf.replace(" ", "").lower()
     no_cache = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "")
     return {
-        "process_pid": os.getpid(),
-        "allocator_caching_disabled": int(no_cache not in ("", "0")),
-        "allocator_expandable_segments": int("expandable_segments:true" in conf),
+        Stat.PROCESS_PID: os.getpid(),
+        Stat.CACHING_DISABLED: int(no_cache not in ("", "0")),
+        Stat.EXPANDABLE_SEGMENTS: int("expandable_segments:true" in conf),
     }
 
 
@@ -318,8 +318,8 @@ class StepProbe:
                 flat = torch.cuda.memory_stats(d)
                 out = {k: int(flat.get(k, 0)) for k in TORCH_KEYS}
             free, total = torch.cuda.mem_get_info(d)
-            out["mem_free_bytes"], out["mem_total_bytes"] = int(free), int(total)
-            out["context_baseline_bytes"] = self._baseline.get(d, 0)
+            out[Stat.MEM_FREE], out[Stat.MEM_TOTAL] = int(free), int(total)
+            out[Stat.CONTEXT_BASELINE] = self._baseline.get(d, 0)
             if self.reset_peaks:
                 torch.cuda.reset_peak_memory_stats(d)
             return out
@@ -357,8 +357,8 @@ class StepProbe:
             if kind == "begin" and torch_stats:
                 torch_stats.update(self._mode)
             led = ledgers.get(d, {})
-            if led and "allocated_bytes.all.current" in torch_stats:
-                led["other_allocated"] = torch_stats["allocated_bytes.all.current"] - sum(
+            if led and Stat.ALLOCATED in torch_stats:
+                led["other_allocated"] = torch_stats[Stat.ALLOCATED] - sum(
                     led.get(k, 0) for k in LIVE_KINDS
                 )
             ev = StepEvent(
@@ -383,7 +383,7 @@ class StepProbe:
                 rec = {"device": str(d), "begin_ns": self._begin_t, **d_ev}
                 self.records.append(rec)
                 self._last_end[d] = rec
-                reserved += torch_stats.get("reserved_bytes.all.current", 0)
+                reserved += torch_stats.get(Stat.RESERVED, 0)
         self._end_reserved = reserved if kind == "end" and self._cuda else None
         self._step_cost += time.perf_counter_ns() - t0
 
@@ -478,8 +478,8 @@ class StepProbe:
                 out[f"stepmem/torch_{name}_peak_gib"] = max(vals) / GIB
         last = self._last_end
         for key, name in (
-            ("allocated_bytes.all.current", "allocated"),
-            ("reserved_bytes.all.current", "reserved"),
+            (Stat.ALLOCATED, "allocated"),
+            (Stat.RESERVED, "reserved"),
         ):
             vals = [r["torch"][key] for r in last.values() if key in (r.get("torch") or {})]
             if vals:
