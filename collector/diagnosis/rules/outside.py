@@ -64,16 +64,9 @@ def rule(s: Steps) -> list[Finding]:
         parts.append(f"{g(a.other_processes)} in other processes ({listed})")
     if s.shown(a.no_process):
         parts.append(f"{g(a.no_process or 0)} charged to no process (CUDA managed/UVM memory)")
-    base = f"baseline {g(a.baseline)}"
-    if a.first_use >= th.first_use_bytes:
-        nums["first_use"] = a.first_use
-        base += (
-            f", of which {g(a.first_use)} appeared on first use and stayed (cuBLAS "
-            "workspaces, NCCL's buffers)"
-        )
     text = (
-        f"At the end of step {a.step}, {g(beyond)} of NVML used is outside torch beyond this "
-        f"process's {base}" + (f": {'; '.join(parts)}." if parts else ".")
+        f"At step {a.step}'s end, {g(beyond)} of NVML used lies outside torch beyond this "
+        f"process's baseline ({g(a.baseline)})" + (f": {'; '.join(parts)}." if parts else ".")
     )
     f = Finding(
         FindingKind.NONTORCH,
@@ -84,4 +77,10 @@ def rule(s: Steps) -> list[Finding]:
     )
     if who(s):
         f.add(who(s))
+    if a.first_use >= th.first_use_bytes:
+        nums["first_use"] = a.first_use
+        f.add(
+            f" Of the baseline, {g(a.first_use)} appeared on first use and stayed (cuBLAS "
+            "workspaces, NCCL's buffers)."
+        )
     return [f]
