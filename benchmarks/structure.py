@@ -127,6 +127,59 @@ def literals() -> dict[str, list[str]]:
     return out
 
 
+STAT_KEY = re.compile(
+    r'"(allocated_bytes|reserved_bytes|active_bytes|inactive_split_bytes)\.all\.(current|peak)"'
+    r'|"(segment\.all\.current|num_alloc_retries|num_ooms|num_device_alloc|'
+    r'context_baseline_bytes|process_pid)"'
+)
+RECORD_AS_DICT = re.compile(r'\b(r|rec|recs\[\w+\]|prev|cur|first|last|top)(\.get\(|\[")')
+BYTES_LITERAL = re.compile(r"\b\d+\s*\*\s*(MIB|GIB)\b|<<\s*(20|30)\b")
+
+
+def diagnosis_figures() -> dict:
+    """What the diagnosis and report code looks like: torch's stat keys written as string
+    literals outside ``records.py``; step records read as dicts in the code that reads a run
+    (``r["…"]``, ``r.get(…)``); the rule modules and their sizes; byte thresholds written as
+    literals in the diagnosis's rule code rather than declared once (in ``kinds.Thresholds``)."""
+    stat_sites = []
+    for path in _files():
+        if path.name == "records.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if STAT_KEY.search(line.split("#")[0]):
+                stat_sites.append(f"{path.relative_to(ROOT)}:{i}")
+    readers = [
+        ROOT / "collector" / n
+        for n in ("report.py", "compare.py", "timeline.py", "diagnose.py", "accounting.py")
+    ]
+    readers += sorted((ROOT / "collector" / "diagnosis").rglob("*.py"))
+    as_dict = []
+    thresholds = []
+    for path in readers:
+        if not path.exists():
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if RECORD_AS_DICT.search(code):
+                as_dict.append(f"{path.relative_to(ROOT)}:{i}")
+            in_rules = "diagnosis" in path.parts and path.name != "kinds.py"
+            if BYTES_LITERAL.search(code) and in_rules:
+                thresholds.append(f"{path.relative_to(ROOT)}:{i}")
+    rules_dir = ROOT / "collector" / "diagnosis" / "rules"
+    rules = {
+        p.stem: len(p.read_text().splitlines())
+        for p in sorted(rules_dir.glob("*.py"))
+        if p.stem != "__init__"
+    }
+    return {
+        "stat_key_literals": stat_sites,
+        "stat_key_files": sorted({s.split(":")[0] for s in stat_sites}),
+        "records_read_as_dicts": as_dict,
+        "byte_literals_in_rule_code": thresholds,
+        "rule_modules": rules,
+    }
+
+
 def dead_code() -> list[str]:
     res = subprocess.run(
         [
@@ -164,6 +217,7 @@ def main() -> None:
         "probe_imports": [m for m in probe if m.split(".")[0] in ("collector", "ray", "workloads")],
         "literals": literals(),
         "dead_code": dead_code(),
+        "diagnosis": diagnosis_figures(),
     }
     for f in result["longest_functions"]:
         print(f"{f['lines']:4d} lines  {f['function']}")
@@ -176,6 +230,21 @@ def main() -> None:
     print(f"dead code (vulture): {len(result['dead_code'])}")
     for line in result["dead_code"]:
         print("   ", line)
+    d = result["diagnosis"]
+    print(
+        f"torch stat keys written as literals outside records.py: {len(d['stat_key_literals'])} "
+        f"sites in {len(d['stat_key_files'])} files"
+    )
+    print(f"step records read as dicts in the run-reading code: {len(d['records_read_as_dicts'])}")
+    print(f"byte literals in the rule code: {len(d['byte_literals_in_rule_code'])}")
+    print(
+        f"rule modules: {len(d['rule_modules'])}"
+        + (
+            f" (largest {max(d['rule_modules'].values())} lines)"
+            if d["rule_modules"]
+            else " (the rules live in one module)"
+        )
+    )
     if a.out:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
 

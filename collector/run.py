@@ -505,6 +505,8 @@ def _problems(drainer: _Drainer, writer: RunWriter, samplers: int) -> list[str]:
         )
     if drainer.records_lost:
         out.append(f"{drainer.records_lost} step records were no longer kept when drained")
+    if drainer.events_lost:
+        out.append(f"{drainer.events_lost} probe events were no longer kept when drained")
     if drainer.samples_lost:
         out.append(f"{drainer.samples_lost} NVML samples were overwritten before being stored")
     if drainer.errors:

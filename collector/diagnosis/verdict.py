@@ -10,55 +10,55 @@ __all__ = ["verdict"]
 
 
 def verdict(findings: list[Finding]) -> list[str]:
-    first: dict[FindingKind, Finding] = {}
+    by_kind: dict[FindingKind, Finding] = {}
     for f in findings:
-        first.setdefault(f.kind, f)
+        by_kind.setdefault(f.kind, f)
     lines: list[str] = []
     k = FindingKind
-    if k.EMPTY in first:
+    if k.EMPTY in by_kind:
         return ["No complete step was recorded: nothing to judge."]
-    if k.OOM in first:
-        f = first[k.OOM]
+    if k.OOM in by_kind:
+        f = by_kind[k.OOM]
         peak = f.numbers.get("peak")
         lines.append(
             f"Out of memory in step {f.numbers['step']}"
             + (f" (NVML peaked at {g(peak)} inside it)." if peak is not None else ".")
         )
-    elif k.FAILED in first:
-        f = first[k.FAILED]
+    elif k.FAILED in by_kind:
+        f = by_kind[k.FAILED]
         lines.append(f"Step {f.numbers['step']} failed with {f.numbers['error']}.")
-    elif k.INTERRUPTED in first:
-        lines.append(f"Stopped during step {first[k.INTERRUPTED].numbers['step']}.")
-    if k.LEAK in first:
-        n = first[k.LEAK].numbers
+    elif k.INTERRUPTED in by_kind:
+        lines.append(f"Stopped during step {by_kind[k.INTERRUPTED].numbers['step']}.")
+    if k.LEAK in by_kind:
+        n = by_kind[k.LEAK].numbers
         line = (
             f"Leaking: live tensors grow {size(n['bytes_per_step'])} a step (steps "
             f"{n['from_step']}–{n['to_step']})"
         )
         site = n.get("site")
         lines.append(line + (f"; {site.split(': ', 1)[-1]}." if site else "."))
-    elif k.GROWING in first:
-        n = first[k.GROWING].numbers
+    elif k.GROWING in by_kind:
+        n = by_kind[k.GROWING].numbers
         lines.append(
             f"Still growing: {n['pool']} grows {size(n['bytes_per_step'])} a step (steps "
             f"{n['from_step']}–{n['to_step']})."
         )
-    elif k.FRAGMENTATION in first and "bytes_per_step" in first[k.FRAGMENTATION].numbers:
-        n = first[k.FRAGMENTATION].numbers
+    elif k.FRAGMENTATION in by_kind and "bytes_per_step" in by_kind[k.FRAGMENTATION].numbers:
+        n = by_kind[k.FRAGMENTATION].numbers
         lines.append(
             f"Fragmentation: torch reserved grows {size(n['bytes_per_step'])} a step while live "
             "tensors do not."
         )
-    elif k.STEADY in first:
-        n = first[k.STEADY].numbers
+    elif k.STEADY in by_kind:
+        n = by_kind[k.STEADY].numbers
         lines.append(
             f"Steady from step {n['step']}: NVML {g(n['nvml_end'] or 0)} at step end"
             + (f", torch reserved {g(n['reserved_end'])}." if n.get("reserved_end") else ".")
         )
-    elif k.UNSTEADY in first:
+    elif k.UNSTEADY in by_kind:
         lines.append("No steady state, and no growth over the run: memory moves from step to step.")
-    if k.HEADROOM in first:
-        n = first[k.HEADROOM].numbers
+    if k.HEADROOM in by_kind:
+        n = by_kind[k.HEADROOM].numbers
         line = (
             f"Peak {g(n['peak'])} in step {n['step']}, {100 * n['peak'] / n['total']:.1f} % of "
             f"the card (headroom {g(n['total'] - n['peak'])})"
@@ -91,7 +91,7 @@ def verdict(findings: list[Finding]) -> list[str]:
             ),
             None,
         )
-        frag = first.get(k.FRAGMENTATION)
+        frag = by_kind.get(k.FRAGMENTATION)
         if jump is not None:
             n = jump.numbers
             kinds = " and ".join(

@@ -78,11 +78,19 @@ def _identity(s: Steps, a: Account) -> Finding:
                 ("remainder", a.remainder),
             ]
         )
+    when = ""
+    if s.verbose and a.read_after_ms is not None:
+        when = (
+            f" (per-process reading {a.read_after_ms:.0f} ms after the end mark)"
+            if a.read_after_ms >= 0
+            else f" (per-process reading {-a.read_after_ms:.0f} ms before the end mark, the "
+            "last time device memory moved)"
+        )
     return Finding(
         FindingKind.ACCOUNTING,
         f"Every byte at step {a.step}'s end: NVML used {n(a.device_used)} = "
         + " + ".join(terms)
-        + " GiB.",
+        + f" GiB{when}.",
         {"step": a.step, "first_use": a.first_use, **a.components()},
         steps=(a.step, a.step),
     )

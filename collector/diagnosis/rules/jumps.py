@@ -34,13 +34,13 @@ def _peak_phase(r: StepRecord) -> str | None:
 def _site(s: Steps, prev: StepRecord, cur: StepRecord) -> str:
     """The largest site of what ``prev`` allocated and ``cur`` still held, else of ``cur``'s
     peak, from the allocation history (empty when neither step was recorded)."""
-    rec = s.sites.get(prev.step)
-    if rec and rec.get("kept_to_next"):
-        k = rec["kept_to_next"][0]
+    doc = s.sites.get(prev.step)
+    if doc and doc.get("kept_to_next"):
+        k = doc["kept_to_next"][0]
         return f"allocated in step {prev.step} at {k['site']} ({g(k['bytes'])})"
-    rec = s.sites.get(cur.step)
-    if rec and rec.get("at_peak"):
-        k = rec["at_peak"][0]
+    doc = s.sites.get(cur.step)
+    if doc and doc.get("at_peak"):
+        k = doc["at_peak"][0]
         return f"the largest site live at step {cur.step}'s peak: {k['site']} ({g(k['bytes'])})"
     return ""
 

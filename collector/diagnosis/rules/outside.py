@@ -13,7 +13,10 @@ from collector.diagnosis.text import g
 def who(s: Steps) -> str:
     """How the training process was known, when it was not from the probe."""
     if s.pid_source == "identified":
-        return f" (pid {s.pid}: the one process holding torch's pool; the probe did not name it)"
+        return (
+            f" The training process, pid {s.pid}, is the one holding torch's pool (the probe "
+            "did not name it)."
+        )
     return ""
 
 
