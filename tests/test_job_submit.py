@@ -201,7 +201,7 @@ def test_ray_job_submit_runs_samplers_a_store_a_report_and_is_scraped(ray_head, 
         logs = _ray(["job", "logs", "--address", address, job_id], env).stdout
         assert "succeeded" in status, status + logs[-4000:]
         assert logs.count("sampler stepmem:") == 2  # one per simulated GPU
-        assert "Diagnosis" in logs and "Step 1→2: torch reserved at step end grew by 12.65 GiB" in (
+        assert "Verdict" in logs and "Step 1→2: torch reserved at step end +12.65 GiB" in (
             " ".join(logs.split())
         )
         run = load_run(store / "ci-submit")
@@ -244,7 +244,7 @@ def test_ray_job_stop_leaves_a_complete_readable_store(ray_head, tmp_path, recor
         text=True,
         timeout=120,
     )
-    assert report.returncode == 0 and "Diagnosis" in report.stdout, report.stderr
+    assert report.returncode == 0 and "Verdict" in report.stdout, report.stderr
     record_fault(
         "`ray job stop` on a submitted run",
         "the job ends STOPPED; the run store is complete with status interrupted; "
