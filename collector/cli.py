@@ -201,6 +201,13 @@ def _report_parser(sub) -> None:
         help="every finding in full, figures under the noise floor (128 MiB or 0.5 %% of the "
         "card) included",
     )
+    rp.add_argument(
+        "--estimate",
+        type=Path,
+        metavar="FILE",
+        help="put a `stepmem estimate --out` file's prediction beside what was measured, "
+        "component by component, and name the differences",
+    )
 
 
 def _compare_parser(sub) -> None:
@@ -230,6 +237,48 @@ def _dashboards_parser(sub) -> None:
     g.add_argument("--out", default="grafana/dashboards", help="folder for the JSON files")
 
 
+def _estimate_parser(sub) -> None:
+    from workloads.finetune import SHAPES
+
+    e = sub.add_parser(
+        "estimate",
+        help="predict a step's memory per component and module before it runs (no GPU memory)",
+    )
+    model = e.add_mutually_exclusive_group()
+    model.add_argument(
+        "--size",
+        choices=sorted(SHAPES),
+        help="the finetune workload's Llama shape (default: 7b on a GPU, tiny elsewhere)",
+    )
+    model.add_argument(
+        "--config",
+        type=Path,
+        metavar="CONFIG.json",
+        help="a Hugging Face config.json (or the folder holding it): any causal LM "
+        "transformers builds from a config; read as data, no code from it is run",
+    )
+    model.add_argument(
+        "--like",
+        type=Path,
+        metavar="RUN",
+        help="the model, optimizer and batch of a stored finetune run (its workload summary)",
+    )
+    e.add_argument("--optim", choices=("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
+    e.add_argument(
+        "--seq-len",
+        type=args.positive_int,
+        help="tokens per sequence (default: 4096 on a GPU, 64 elsewhere)",
+    )
+    e.add_argument("--batch", type=args.positive_int, default=1, help="sequences a micro-batch")
+    e.add_argument(
+        "--grad-accum", type=args.positive_int, default=2, help="micro-batches a step (default 2)"
+    )
+    e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
+    e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
+    e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
+    e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
 def _devices_parser(sub) -> None:
     d = sub.add_parser("devices", help="list GPUs on this node by UUID")
     args.add_backend(d, ("nvml", "replay"), "nvml", gpus=False)
@@ -241,6 +290,7 @@ SUBCOMMANDS = (  # in the order `stepmem --help` lists them
     _daemon_parser,
     _report_parser,
     _compare_parser,
+    _estimate_parser,
     _dashboards_parser,
     _devices_parser,
     _capture_parser,
@@ -568,8 +618,15 @@ def _cmd_report(ns: argparse.Namespace) -> int:
             outs[flag] = writable_file(getattr(ns, flag), f"--{flag}", prog, (ns.run,))
     if (ns.png or ns.html) and not ns.run.is_dir():
         raise UserError(f"{prog}: --png/--html need a run directory (the trace)")
+    est = None
+    if ns.estimate is not None:
+        from collector.estimate import load_estimate
+
+        est = load_estimate(ns.estimate)  # checked before the run is read
     run = load_run(ns.run)
     text, _ = render_report(run, verbose=ns.detail, all_steps=ns.all_steps)
+    if est is not None:
+        text = text.rstrip("\n") + "\n\n" + _reconciliation(run, est) + "\n"
     print(text)
     if "out" in outs:
         write_output(outs["out"], text, "--out", prog)
@@ -601,6 +658,96 @@ def _cmd_report(ns: argparse.Namespace) -> int:
             raise UserError(
                 f"{prog}: pictures need pip install 'stepmem[report]' ({exc})"
             ) from None
+    return 0
+
+
+def _reconciliation(run, est) -> str:
+    from collector.estimate import reconcile, render_reconciliation
+
+    parts = []
+    for uuid in run.gpus:
+        recs = run.by_gpu[uuid]
+        pids = [r.pid for r in recs]
+        main = max(set(pids), key=pids.count) if pids else 0  # the training process
+        rows, named = reconcile(est, [r for r in recs if r.pid == main])
+        head = f"GPU {uuid}" + (f", process {main}" if len(set(pids)) > 1 else "")
+        parts.append(f"{head}\n{render_reconciliation(est, rows, named)}")
+    return "\n\n".join(parts)
+
+
+def _like(path: Path) -> dict:
+    """The finetune arguments a stored run was started with (its workload summary): data,
+    checked field by field."""
+    from collector.runs import load_run
+
+    meta = load_run(path).meta
+    summ = meta.get("workload_summary")
+    if not isinstance(summ, dict) or summ.get("workload") != "finetune":
+        raise UserError(f"stepmem estimate: --like {path}: not a finetune run with a summary")
+    out = {}
+    for key, kind in (("size", str), ("optim", str), ("seq_len", int), ("batch", int)):
+        v = summ.get(key)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise UserError(f"stepmem estimate: --like {path}: its summary has no {key}")
+        out[key] = v
+    ga = summ.get("grad_accum", 2)
+    out["grad_accum"] = ga if isinstance(ga, int) and not isinstance(ga, bool) else 2
+    return out
+
+
+def _read_config(path: Path) -> dict:
+    prog = "stepmem estimate"
+    f = path / "config.json" if path.is_dir() else path
+    try:
+        if f.stat().st_size > 1 << 20:
+            raise UserError(f"{prog}: --config {f}: larger than 1 MiB; not a model config")
+        cfg = json.loads(f.read_text())
+    except OSError as exc:
+        raise UserError(f"{prog}: --config {f}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{prog}: --config {f}: not JSON ({exc})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise UserError(f"{prog}: --config {f}: a config.json with a model_type")
+    if cfg.get("auto_map"):
+        raise UserError(
+            f"{prog}: --config {f}: its model is custom code (auto_map); stepmem runs no code "
+            "from a config"
+        )
+    return cfg
+
+
+def _cmd_estimate(ns: argparse.Namespace) -> int:
+    import torch
+
+    from collector.estimate import Spec, estimate, render
+
+    prog = "stepmem estimate"
+    out = writable_file(ns.out, "--out", prog) if ns.out else None
+    gpu = torch.cuda.is_available()
+    fields: dict = {
+        "optim": ns.optim or ("adamw_8bit" if gpu else "adamw_torch"),
+        "seq_len": ns.seq_len or (4096 if gpu else 64),
+        "batch": ns.batch,
+        "grad_accum": ns.grad_accum,
+    }
+    if ns.like is not None:
+        fields.update(_like(ns.like))
+        if ns.optim:
+            fields["optim"] = ns.optim
+        if ns.seq_len:
+            fields["seq_len"] = ns.seq_len
+    if ns.config is not None:
+        fields.update(size=None, config=_read_config(ns.config))
+    elif ns.like is None:
+        fields["size"] = ns.size or ("7b" if gpu else "tiny")
+    spec = Spec(checkpointing=not ns.no_checkpointing, bf16=not ns.fp32, **fields)
+    quiet = ns.json or not sys.stderr.isatty()
+    est = estimate(spec, progress=None if quiet else lambda m: print(f"… {m}", file=sys.stderr))
+    data = json.dumps(est.to_dict(), indent=1)
+    print(data if ns.json else render(est))
+    if out is not None:
+        write_output(out, data + "\n", "--out", prog)
+        print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
     return 0
 
 
@@ -741,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
             "report": _cmd_report,
             "daemon": _cmd_daemon,
             "compare": _cmd_compare,
+            "estimate": _cmd_estimate,
         }
         return handler[ns.command](ns)
     except StepmemError as exc:
