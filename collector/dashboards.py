@@ -257,6 +257,24 @@ def step_memory() -> dashboard.Dashboard:
     )
     d = d.with_panel(
         _ts(
+            "Predicted vs measured peak",
+            "The allocated peak `stepmem estimate` predicted (fake tensors and torch's MemTracker; "
+            "a probe given STEPMEM_ESTIMATE) beside the allocator's measured peak and NVML's "
+            "within-step peak. `stepmem report RUN --estimate FILE` names the differences.",
+            "bytes",
+            [
+                (f"stepmem_step_estimate_peak_bytes{{{STEPS}}}", RANK_LEGEND + " predicted"),
+                (
+                    f"stepmem_step_torch_allocated_peak_bytes{{{STEPS}}}",
+                    RANK_LEGEND + " allocated peak",
+                ),
+                (f"stepmem_step_nvml_peak_bytes{{{STEPS}}}", RANK_LEGEND + " NVML peak"),
+            ],
+            w=24,
+        )
+    )
+    d = d.with_panel(
+        _ts(
             "Every byte at step end",
             "NVML used at each step's end by component (stepmem_step_account_bytes; they sum to "
             "NVML end): baseline, torch reserved, outside torch in the training process, other "

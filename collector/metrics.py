@@ -151,6 +151,14 @@ METRICS: tuple[Metric, ...] = (
         "PyTorch allocator: peak allocated bytes inside the step (tensors in use).",
     ),
     Metric(
+        "stepmem_step_estimate_peak_bytes",
+        "gauge",
+        "bytes",
+        "The step's allocated peak as `stepmem estimate` predicted it (fake tensors and torch's "
+        "MemTracker), beside stepmem_step_torch_allocated_peak_bytes; only for a probe given "
+        "an estimate (STEPMEM_ESTIMATE).",
+    ),
+    Metric(
         "stepmem_step_torch_reserved_peak_bytes",
         "gauge",
         "bytes",
@@ -310,6 +318,7 @@ PUSHED = (
     "stepmem_step_nvml_end_bytes",
     "stepmem_step_torch_allocated_peak_bytes",
     "stepmem_step_torch_reserved_peak_bytes",
+    "stepmem_step_estimate_peak_bytes",
     "stepmem_step_torch_allocated_end_bytes",
     "stepmem_step_torch_reserved_end_bytes",
     "stepmem_step_nontorch_bytes",

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "ERROR_PREFIX",
+    "ESTIMATE_KEY",
     "INT64_MAX",
     "STEP_EVENT_KINDS",
     "DeviceInfo",
@@ -57,7 +58,9 @@ class DeviceInfo:
 
 STEP_EVENT_KINDS = ("begin", "phase", "end")
 ERROR_PREFIX = "error:"  # an ``end`` event whose phase starts so ends a step that raised
-INT64_MAX = (1 << 63) - 1  # what a Parquet column (and Prometheus' timestamps) can hold
+INT64_MAX = (1 << 63) - 1
+# the ledger key of a step's predicted allocated peak (`stepmem estimate`, a probe given one)
+ESTIMATE_KEY = "estimate_peak"  # what a Parquet column (and Prometheus' timestamps) can hold
 MAX_NAME_CHARS = 128  # a phase name, a GPU UUID, a torch/ledger key
 MAX_VALUES = 256  # keys in an event's torch or ledger mapping
 MAX_WORLD = 1 << 20  # ranks in one run
@@ -373,6 +376,12 @@ class StepRecord:
 
     def ledger_of(self, kind: str) -> int:
         return int(self.ledger.get(kind, 0))
+
+    @property
+    def estimate_peak(self) -> int | None:
+        """The allocated peak an estimate predicted for this step (None: no estimate)."""
+        v = self.ledger.get(ESTIMATE_KEY)
+        return None if v is None else int(v)
 
     @property
     def managed(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from collector.accounting import account
-from collector.records import Stat, StepRecord
+from collector.records import ESTIMATE_KEY, Stat, StepRecord
 
 __all__ = ["step_values"]
 
@@ -68,5 +68,8 @@ def _step_values(rec: StepRecord) -> list[tuple[str, dict[str, str], float]]:
         for name, value in acc.components().items():
             out.append(("stepmem_step_account_bytes", {"component": _COMPONENT[name]}, value))
     for kind, value in rec.ledger.items():
-        out.append(("stepmem_step_ledger_bytes", {"kind": kind}, value))
+        if kind == ESTIMATE_KEY:  # the prediction rides with the ledger; its own series
+            out.append(("stepmem_step_estimate_peak_bytes", {}, value))
+        else:
+            out.append(("stepmem_step_ledger_bytes", {"kind": kind}, value))
     return out

@@ -39,7 +39,7 @@ from typing import Any
 from collector.probe.ledger import LEDGER_KINDS, LIVE_KINDS, LedgerCache, UnshardWatch, ledger
 from collector.probe.outbox import Outbox, RaySamplers
 from collector.probe.recording import HISTORY_STEPS, AllocationHistory
-from collector.records import ERROR_PREFIX, Stat, StepEvent
+from collector.records import ERROR_PREFIX, ESTIMATE_KEY, Stat, StepEvent
 
 __all__ = ["TORCH_KEYS", "LedgerCache", "Outbox", "StepProbe", "cuda_uuid", "ledger"]
 
@@ -65,6 +65,7 @@ CPU = "cpu"
 RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
 CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ranks in CI)
+ESTIMATE_ENV = "STEPMEM_ESTIMATE"  # an estimate (JSON) whose predicted peak each end event carries
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 _LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
 GIB = 1 << 30
@@ -176,6 +177,10 @@ class StepProbe:
     PyTorch's allocation history with Python stacks for the first ``history_steps`` steps and a
     snapshot on out-of-memory (:class:`collector.probe.recording.AllocationHistory`). Each begin
     event also carries the process's pid and the allocator's mode (:func:`allocator_mode`).
+    ``estimate`` (default: ``STEPMEM_ESTIMATE``; a ``stepmem estimate --out`` file or its
+    :class:`collector.estimate.Estimate`) puts the predicted allocated peak beside the ledger of
+    each end event (``estimate_peak``; exported as ``stepmem_step_estimate_peak_bytes``) when the
+    probe watches a model; an unreadable file is counted in ``errors`` and training goes on.
     """
 
     def __init__(
@@ -189,6 +194,7 @@ class StepProbe:
         history_dir: str | Path | None = None,
         history_steps: int = HISTORY_STEPS,
         clock: Callable[[], int] = time.monotonic_ns,
+        estimate: Any = None,
     ) -> None:
         if events_file is None:
             events_file = os.environ.get(EVENTS_ENV) or None
@@ -221,6 +227,20 @@ class StepProbe:
         self._end_reserved: int | None = None  # torch reserved at the last end, all devices
         self._log_peaks: dict[Any, dict[str, int]] = {}  # per device, since the last metrics()
         self._last_end: dict[Any, dict[str, Any]] = {}  # per device, its newest end record
+        self.estimate_peak = self._estimate_peak(estimate or os.environ.get(ESTIMATE_ENV) or None)
+
+    def _estimate_peak(self, estimate: Any) -> int | None:
+        if estimate is None:
+            return None
+        try:
+            from collector.estimate import Estimate, load_estimate
+
+            est = estimate if isinstance(estimate, Estimate) else load_estimate(Path(estimate))
+            return est.peak
+        except Exception as exc:  # a bad file costs the training job nothing: counted, said once
+            self.errors[f"estimate:{type(exc).__name__}"] += 1
+            log.warning("stepmem probe: estimate %s not used (%s)", estimate, exc)
+            return None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -361,6 +381,8 @@ class StepProbe:
                 led["other_allocated"] = torch_stats[Stat.ALLOCATED] - sum(
                     led.get(k, 0) for k in LIVE_KINDS
                 )
+            if led and self.estimate_peak is not None:
+                led[ESTIMATE_KEY] = self.estimate_peak
             ev = StepEvent(
                 kind=kind,
                 step=step,
@@ -462,7 +484,8 @@ class StepProbe:
         * ``torch_allocated_peak_gib``, ``torch_reserved_peak_gib``: the allocator's peaks since
           the last call; ``torch_allocated_gib``, ``torch_reserved_gib`` at the last step's end;
         * ``ledger/<kind>_gib``: parameters, gradients, optimizer state at the last step's end
-          (when the probe watches the model and optimizer);
+          (when the probe watches the model and optimizer); ``estimate_peak_gib``: the allocated
+          peak an estimate predicted (a probe given one);
         * ``nvml_peak_gib``, ``nvml_end_gib`` and ``nvml_step``: the newest step the sampler
           has joined (its within-step NVML peak and end reading) and that step's number, which
           trails the training step by the join delay; absent until the first call has asked
@@ -488,6 +511,8 @@ class StepProbe:
             vals = [r["ledger"][kind] for r in last.values() if kind in (r.get("ledger") or {})]
             if vals:
                 out[f"stepmem/ledger/{kind}_gib"] = max(vals) / GIB
+        if self.estimate_peak is not None and last:
+            out["stepmem/estimate_peak_gib"] = self.estimate_peak / GIB
         self.outbox.want_newest = True
         self.outbox.wake()  # collect the answer to the last ask and ask again, on the sender
         joined = [r for r in self.outbox.newest.values() if r.get("nvml_peak_bytes") is not None]
