@@ -33,13 +33,15 @@ FILES = [
     "tests/test_hostile.py",
     "tests/test_real_use.py",
     "tests/test_distributed.py",
+    "tests/test_estimate.py",
 ]
 SELECT = (
     "nvml_errors or killed_mid_run or buffered_steps or a_400 or credentials or 5xx or "
     "slow_receiver or malformed or sigkill or write_failures or bad_input or corrupt_and_foreign "
     "or not_a_run or sigterm or job_stop or recorded_oom or dead_sampler or stalled_sampler or "
     "stopped_by_ray_job_stop or test_trust or a_429 or stale_markers or local_quick_start or "
-    "local_stack or loopback_address or test_hostile or test_real_use or test_distributed"
+    "local_stack or loopback_address or test_hostile or test_real_use or test_distributed or "
+    "untraceable"
 )
 FIGURE_KEYS_SKIP = {"fault", "outcome", "test"}
 

@@ -238,11 +238,32 @@ def _dashboards_parser(sub) -> None:
 
 
 def _estimate_parser(sub) -> None:
+    from collector.estimate import OPTIMS, SHARDS
     from workloads.finetune import SHAPES
 
     e = sub.add_parser(
         "estimate",
         help="predict a step's memory per component and module before it runs (no GPU memory)",
+    )
+    e.add_argument(
+        "--workload",
+        choices=("finetune", "distributed"),
+        default="finetune",
+        help="finetune: the HF Trainer's step (bf16 autocast, gradient checkpointing, "
+        "gradients freed after the step); distributed: workloads/distributed.py's plain loop "
+        "(fp32, gradients kept, FSDP2 by default). Default finetune",
+    )
+    e.add_argument(
+        "--shard",
+        choices=SHARDS,
+        help="distributed: fully_shard every decoder layer and the root (default fsdp2)",
+    )
+    e.add_argument(
+        "--world-size",
+        type=args.positive_int,
+        default=1,
+        metavar="N",
+        help="ranks the model is sharded over; one rank is estimated (default 1)",
     )
     model = e.add_mutually_exclusive_group()
     model.add_argument(
@@ -263,7 +284,7 @@ def _estimate_parser(sub) -> None:
         metavar="RUN",
         help="the model, optimizer and batch of a stored finetune run (its workload summary)",
     )
-    e.add_argument("--optim", choices=("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
+    e.add_argument("--optim", choices=OPTIMS, help="default: adamw_8bit on a GPU, else adamw_torch")
     e.add_argument(
         "--seq-len",
         type=args.positive_int,
@@ -271,7 +292,9 @@ def _estimate_parser(sub) -> None:
     )
     e.add_argument("--batch", type=args.positive_int, default=1, help="sequences a micro-batch")
     e.add_argument(
-        "--grad-accum", type=args.positive_int, default=2, help="micro-batches a step (default 2)"
+        "--grad-accum",
+        type=args.positive_int,
+        help="micro-batches a step (default: 2 for finetune, 1 for distributed)",
     )
     e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
@@ -724,12 +747,20 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     prog = "stepmem estimate"
     out = writable_file(ns.out, "--out", prog) if ns.out else None
     gpu = torch.cuda.is_available()
+    dist = ns.workload == "distributed"
+    if not dist and (ns.shard or ns.world_size != 1):
+        raise UserError(f"{prog}: --shard and --world-size are for --workload distributed")
     fields: dict = {
-        "optim": ns.optim or ("adamw_8bit" if gpu else "adamw_torch"),
-        "seq_len": ns.seq_len or (4096 if gpu else 64),
+        "workload": ns.workload,
+        "optim": ns.optim or ("adamw_8bit" if gpu and not dist else "adamw_torch"),
+        "seq_len": ns.seq_len or (4096 if gpu and not dist else 64),
         "batch": ns.batch,
-        "grad_accum": ns.grad_accum,
+        "grad_accum": ns.grad_accum or (1 if dist else 2),
     }
+    if dist:  # workloads/distributed.py's loop
+        fields.update(
+            shard=ns.shard or "fsdp2", world_size=ns.world_size, keep_grads=True, bf16=False
+        )
     if ns.like is not None:
         fields.update(_like(ns.like))
         if ns.optim:
@@ -739,8 +770,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if ns.config is not None:
         fields.update(size=None, config=_read_config(ns.config))
     elif ns.like is None:
-        fields["size"] = ns.size or ("7b" if gpu else "tiny")
-    spec = Spec(checkpointing=not ns.no_checkpointing, bf16=not ns.fp32, **fields)
+        fields["size"] = ns.size or ("7b" if gpu and not dist else "tiny")
+    fields.setdefault("bf16", not ns.fp32)
+    spec = Spec(checkpointing=not ns.no_checkpointing and not dist, **fields)
     quiet = ns.json or not sys.stderr.isatty()
     est = estimate(spec, progress=None if quiet else lambda m: print(f"… {m}", file=sys.stderr))
     data = json.dumps(est.to_dict(), indent=1)

@@ -64,6 +64,9 @@ CATEGORIES = (
     "gradients",
     "optimizer_state",
     "optimizer_step_temporaries",
+    "unsharded_parameters",
+    "unsharded_gradients",
+    "communication",
     "activations",
     "temporaries",
     "other",
@@ -77,7 +80,18 @@ _TRACKER = {
     "Activation": "activations",
     "Temp": "temporaries",
     "Other": "other",
+    # FSDPMemTracker's (FSDP2): a rank's shards, the all-gathered copies, the collectives' buffers
+    "Sharded Param": "parameters",
+    "Unsharded Param": "unsharded_parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "unsharded_gradients",
+    "All Gather": "communication",
+    "Reduce Scatter": "communication",
+    "OptState": "optimizer_state",
+    "Inputs": "activations",
 }
+SHARDS = ("none", "fsdp2")
+MAX_WORLD = 1 << 16
 OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")
 BNB_MIN_8BIT = 4096  # bitsandbytes: tensors with fewer elements keep float32 state
 BNB_BLOCK = 256  # bitsandbytes: one float32 absmax per block of this many elements
@@ -105,10 +119,22 @@ class Spec:
     grad_accum: int = 2
     checkpointing: bool = True
     bf16: bool = True
+    shard: str = "none"  # "fsdp2": every decoder layer and the root fully_shard-ed
+    world_size: int = 1  # ranks the model is sharded over (one rank is estimated)
+    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients stay between steps
 
     def validate(self) -> None:
         if self.optim not in OPTIMS:
             raise EstimateError(f"optimizer {self.optim!r}: one of {', '.join(OPTIMS)}")
+        if self.shard not in SHARDS:
+            raise EstimateError(f"shard {self.shard!r}: one of {', '.join(SHARDS)}")
+        w = self.world_size
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_WORLD:
+            raise EstimateError(f"world size must be a whole number from 1 to {MAX_WORLD}")
+        if self.shard == "fsdp2" and self.optim != "adamw_torch":
+            raise EstimateError(
+                "bitsandbytes' optimizers under FSDP2 are not modelled: estimate with adamw_torch"
+            )
         for name in ("seq_len", "batch", "grad_accum"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SEQ:
@@ -149,6 +175,8 @@ class Estimate:
     seconds: float = 0.0
     torch: str = ""
     format: int = FORMAT
+    # bytes torch allocated on the GPU while estimating (max_memory_allocated; None: no GPU)
+    device_allocated: int | None = None
 
     @property
     def peak(self) -> int:
@@ -202,6 +230,9 @@ class Estimate:
                 stopped_at=str(d.get("stopped_at", ""))[:256],
                 seconds=float(d.get("seconds", 0.0)),
                 torch=str(d.get("torch", ""))[:64],
+                device_allocated=(
+                    int(d["device_allocated"]) if d.get("device_allocated") is not None else None
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EstimateError(f"estimate: malformed ({exc})") from None
@@ -271,7 +302,7 @@ def _bnb_stand_in(params_and_embedding: list[tuple[Any, bool]], paged: bool) -> 
                     if p.grad is None or self.state[p]:
                         continue
                     st = self.state[p]
-                    st["step"] = torch.zeros((), dtype=torch.float32)  # host scalar, 0 device B
+                    st["step"] = 0  # a Python int in bitsandbytes' state
                     n = p.numel()
                     eight = n >= BNB_MIN_8BIT and id(p) not in self.embedding
                     dtype = torch.uint8 if eight else torch.float32
@@ -327,9 +358,12 @@ def _module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
         if name.count(".") >= MODULE_DEPTH or name.split(".")[0] != root:
             continue  # deeper than the account keeps, or an autograd Function ("Func")
         for state, snaps in stats.snapshots.items():
-            phase = {"Peak-Forward": "forward", "Peak-Backward": "backward"}.get(
-                str(getattr(state, "value", state))
-            )
+            phase = {
+                "Peak-Forward": "forward",  # MemTracker's
+                "Peak-Backward": "backward",
+                "Peak Forward": "forward",  # FSDPMemTracker's
+                "Peak Backward": "backward",
+            }.get(str(getattr(state, "value", state)))
             if phase is None:
                 continue
             for snap in snaps:
@@ -420,8 +454,15 @@ def estimate(
             )
         )
     stopped = ""
+    mesh = None
+    if spec.shard == "fsdp2":
+        mesh = _fake_group(spec.world_size, device)
+        notes.append(
+            f"FSDP2 at world size {spec.world_size}: one rank traced over a fake process group "
+            "(torch's FakeStore), under torch's FSDPMemTracker"
+        )
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
-    with mode, warnings.catch_warnings():
+    with mode, warnings.catch_warnings(), _group_closed(mesh):
         # ModTracker warns on every recomputed (checkpointed) forward; deprecations are noise
         warnings.filterwarnings("ignore", message=".*module hierarchy tracking")
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -434,6 +475,12 @@ def estimate(
             )
             if enable is not None:
                 enable()
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in _layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         model.train()
         opt = _optimizer(spec, model)
         n_params = sum(p.numel() for p in model.parameters())
@@ -446,8 +493,14 @@ def estimate(
         stack = _Stack(model)
         try:
             for step in range(1, MAX_STEPS_TRACED + 1):
-                tracker = MemTracker()
-                tracker.track_external(model, opt)
+                if mesh is not None:
+                    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+                    tracker = FSDPMemTracker(model, opt)
+                    tracker.track_inputs(())
+                else:
+                    tracker = MemTracker()
+                    tracker.track_external(model, opt)
                 with tracker:
                     for micro in range(spec.grad_accum):
                         say(f"tracing step {step}, micro-batch {micro + 1}/{spec.grad_accum}")
@@ -463,7 +516,7 @@ def estimate(
                     before = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
                     say(f"tracing step {step}'s optimizer step")
                     opt.step()
-                    model.zero_grad(set_to_none=True)
+                    model.zero_grad(set_to_none=not spec.keep_grads)
                     parts = _parts(tracker.get_tracker_snapshot("peak"), device)
                     in_optimizer = sum(parts.values()) > before
                     at_end = _parts(tracker.get_tracker_snapshot("current"), device)
@@ -488,6 +541,11 @@ def estimate(
         finally:
             stack.close()
     managed = int(getattr(opt, "managed", 0))
+    if not cuda:  # torch's step counters live on the host under CUDA: not the device's bytes
+        counters = _step_counters(opt)
+        for d in (*per_step, at_end):
+            if d.get("optimizer_state", 0) >= counters:
+                d["optimizer_state"] -= counters
     steady = per_step[-1]
     mods = best[1]
     holder = None if in_optimizer else _holder(mods, sum(steady.values()))
@@ -498,7 +556,11 @@ def estimate(
         parameters_count=int(n_params),
         steady=steady,
         first=per_step[0],
-        at_end={k: at_end.get(k, 0) for k in ("parameters", "buffers", "optimizer_state")},
+        at_end={
+            k: at_end.get(k, 0)
+            for k in ("parameters", "buffers", "optimizer_state")
+            + (("gradients",) if spec.keep_grads else ())
+        },
         optimizer_state_managed=managed,
         peak_module=holder.module if holder else "",
         peak_phase=holder.phase if holder else ("optimizer step" if in_optimizer else ""),
@@ -507,7 +569,56 @@ def estimate(
         stopped_at=stopped,
         seconds=round(time.monotonic() - t0, 2),
         torch=torch.__version__,
+        device_allocated=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
     )
+
+
+def _step_counters(opt: Any) -> int:
+    """Bytes of the optimizer's per-parameter ``step`` tensors (CPU scalars unless capturable)."""
+    import torch
+
+    total = 0
+    for st in opt.state.values():
+        v = st.get("step")
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def _fake_group(world: int, device: Any) -> Any:
+    """A fake process group of ``world`` ranks (this process rank 0) and its device mesh, made
+    before fake tensors are on (the mesh reads real tensors)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise EstimateError(
+            "an FSDP2 estimate needs a process without a process group (run it on its own)"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return init_device_mesh(device.type, (world,))
+
+
+@contextlib.contextmanager
+def _group_closed(mesh: Any) -> Any:
+    try:
+        yield
+    finally:
+        if mesh is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _layers(model: Any) -> list[Any]:
+    """The repeated blocks FSDP2 shards one by one: the longest ModuleList (a causal LM's
+    decoder layers)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
 
 
 def _vocab(model: Any) -> int:
@@ -548,12 +659,20 @@ def render(est: Estimate, top: int = 8) -> str:
         return f"{b / div:.2f}"
 
     model = f"a {s['config'].get('model_type', '?')} config" if s.get("config") else s["size"]
+    if s.get("shard") == "fsdp2":
+        model += f", FSDP2 over {s.get('world_size', 1)} rank(s)"
     lines = [
         f"Estimate: {model} ({est.parameters_count / 1e9:.2f}B parameters), {s['optim']}, "
-        f"batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} micro-batches a step"
+        f"batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
+        f"micro-batch{'es' if s['grad_accum'] > 1 else ''} a step"
         f"{', checkpointing' if s['checkpointing'] else ''}{', bf16 autocast' if s['bf16'] else ''}"
         f" — on {est.device}{' (standing in for CUDA)' if est.stand_in else ''}, "
-        f"{est.seconds:.1f} s, no device memory used",
+        f"{est.seconds:.1f} s, "
+        + (
+            "no device memory used"
+            if est.device_allocated is None
+            else f"{est.device_allocated} B allocated on the GPU by torch"
+        ),
         "",
         f"{f'component ({unit})':<28}{'step 1 peak':>12}{'step 2 peak':>12}{'step end':>10}",
     ]
@@ -656,6 +775,23 @@ def reconcile(est: Estimate, records: list[Any]) -> tuple[list[Row], list[str]]:
             est.optimizer_state_managed,
             led.get("optimizer_state_managed", 0) if led else None,
         ),
+        *(
+            [Row("gradients (kept between steps)", est.at_end["gradients"], led.get("gradients"))]
+            if "gradients" in est.at_end
+            else []
+        ),
+        *(
+            [
+                Row(
+                    "unsharded parameters at their peak (FSDP2 all-gather)",
+                    est.steady.get("unsharded_parameters", 0),
+                    led["unsharded_parameters_peak"],
+                    "measured: the probe's watch of FSDP2's unshard",
+                )
+            ]
+            if "unsharded_parameters_peak" in led
+            else []
+        ),
         Row("step 1 allocated peak", est.first_peak, first.torch_allocated_peak_bytes),
         Row(
             f"step {steady.step} allocated peak",
@@ -678,16 +814,33 @@ def reconcile(est: Estimate, records: list[Any]) -> tuple[list[Row], list[str]]:
                 "measured: allocated peak − parameters − optimizer state (ledger)",
             )
         )
+        off = measured_rest - predicted_rest
+        if predicted_rest > 0 and abs(off) > 0.05 * predicted_rest:
+            named.append(
+                f"Activations and temporaries at step {steady.step}'s peak: {_g(off)} GiB "
+                f"{'more' if off > 0 else 'less'} than predicted ({off / predicted_rest:+.0%})"
+                + (
+                    ": this estimate ran on the CPU standing in for CUDA, whose attention and "
+                    "autocast kernels save different tensors; `stepmem estimate` on a GPU "
+                    "machine traces CUDA's kernels (fake tensors: no device memory used)."
+                    if est.stand_in
+                    else ": kernels or code paths the trace did not take (a different attention "
+                    "implementation, a different batch)."
+                )
+            )
     jump_p = est.peak - est.first_peak
     if first is not steady and first.torch_allocated_peak_bytes is not None and alloc_peak:
         jump_m = alloc_peak - first.torch_allocated_peak_bytes
         if jump_p > 0 or jump_m > 0:
             state = est.at_end.get("optimizer_state", 0)
+            kept = est.at_end.get("gradients", 0)
+            what = f"optimizer state ({_g(state)} GiB on the device)" + (
+                f" and the gradients kept from step 1 ({_g(kept)} GiB)" if kept else ""
+            )
             named.append(
                 f"Step 1 → step {steady.step}: allocated peak +{_g(jump_m)} GiB measured, "
-                f"+{_g(jump_p)} GiB predicted: optimizer state ({_g(state)} GiB on the device) "
-                "is created by step 1's optimizer step, after step 1's forward/backward peak, "
-                "and is resident in every later step's forward and backward."
+                f"+{_g(jump_p)} GiB predicted: {what}, made after step 1's forward/backward, "
+                "are resident in every later step's forward and backward."
             )
     res_peak = steady.torch_reserved_peak_bytes
     if res_peak is not None and alloc_peak is not None:
@@ -748,7 +901,7 @@ def reconcile(est: Estimate, records: list[Any]) -> tuple[list[Row], list[str]]:
                 "what nvidia-smi shows: everything above",
             )
         )
-    for row in rows[:3]:
+    for row in rows[:3] + [r for r in rows if r.component.startswith("gradients (kept")]:
         d = row.difference
         if d is not None and row.predicted and abs(d) > 0.05 * row.predicted:
             named.append(
