@@ -839,8 +839,8 @@ def reconcile(est: Estimate, records: list[Any]) -> tuple[list[Row], list[str]]:
             )
             named.append(
                 f"Step 1 → step {steady.step}: allocated peak +{_g(jump_m)} GiB measured, "
-                f"+{_g(jump_p)} GiB predicted: {what}, made after step 1's forward/backward, "
-                "are resident in every later step's forward and backward."
+                f"+{_g(jump_p)} GiB predicted: {what} — made after step 1's forward/backward, "
+                "resident in every later step's forward and backward."
             )
     res_peak = steady.torch_reserved_peak_bytes
     if res_peak is not None and alloc_peak is not None:
