@@ -234,9 +234,10 @@ class StepRecord:
     restart), ``"overrun"`` (the ring buffer no longer holds the start of the window) or
     ``"stall"`` (two consecutive samples further apart than the sampler's gap threshold), and
     with any of these ``"undersampled"`` (fewer than half the samples the rate promised: a
-    sampler starved of CPU, whose peak may miss a short transient) and ``"stale_end"`` (no
-    sample within the mark window on either side of the end mark: the end reading is older than
-    the step's end), space-separated.
+    sampler starved of CPU, whose peak may miss a short transient) and ``"stale_end"`` (the
+    first sample after the end mark came later than the mark window, or none came near the mark:
+    the end reading rests on an older sample, which cannot show memory released just before the
+    mark), space-separated.
     ``torch_*_peak_bytes`` are the allocator's peaks over the whole step (the largest of the peaks
     each phase mark carried); None when the probe had no allocator statistics. ``error`` names the
     exception a failed step raised (``OutOfMemoryError``), ``""`` for a step that ended.

@@ -566,10 +566,12 @@ class StepJoiner:
         before = ring.value_at(end.t_ns)
         after = ring.value_after(end.t_ns)
         window = sampler.mark_window_ns
-        if (before is None or end.t_ns - before[0] > window) and (
-            after is None or after[0] - end.t_ns > window
-        ):
-            flags.append("stale_end")  # no sample near the end mark: its reading is older
+        late = after is not None and after[0] - end.t_ns > window
+        if late or (after is None and (before is None or end.t_ns - before[0] > window)):
+            # The first sample after the end mark came late (a starved sampler): the reading
+            # rests on a sample before the mark, which cannot show memory released between it
+            # and the mark; or no sample near the mark at all.
+            flags.append("stale_end")
         return " ".join(flags)
 
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:

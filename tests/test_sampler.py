@@ -190,6 +190,9 @@ def test_phases_get_their_own_peaks():
         ([(t * MS, 1) for t in range(100)], 32, 1, "overrun undersampled"),
         # the last sample 10 ms before the end mark, none after: the end reading is stale
         ([(t * MS, 1) for t in range(71)], 1024, 1, "stale_end"),
+        # a sample just before the end mark, the next 15 ms after it (a starved sampler): a
+        # release between the two would not show, so the end reading is flagged too
+        ([(t * MS, 1) for t in (*range(80), 95)], 1024, 1, "stale_end"),
         ([(t * MS, 1) for t in range(100)], 1024, 35 * MS, "sampler_started"),
         ([(t * MS, 1) for t in (*range(10), *range(90, 100))], 1024, 1, "no_samples"),
     ],
