@@ -12,7 +12,10 @@ from collector.diagnosis import diagnose
 from tests.conftest import loopback
 
 GIB = 1 << 30
-HISTORY = Path(__file__).parent / "data" / "history-paged-nowatch"
+HISTORY = (
+    Path(__file__).resolve().parent.parent
+    / "benchmarks/results/h200-accounting/history/paged_nowatch"
+)
 
 
 def _replay(capture: str, tmp_path: Path, result: bool = False):

@@ -292,7 +292,7 @@ def test_a_planted_pickle_in_a_run_store_is_never_run(tmp_path, run_dir, record_
 def test_a_real_memory_snapshot_still_reads(tmp_path):
     from collector import history
 
-    doc = history.summary(ROOT / "tests" / "data" / "history-paged-nowatch")
+    doc = history.summary(ROOT / "benchmarks/results/h200-accounting/history/paged_nowatch")
     assert doc["trace_entries"] > 1000 and doc["steps"]
 
 
