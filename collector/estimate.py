@@ -177,6 +177,8 @@ class Estimate:
     format: int = FORMAT
     # bytes torch allocated on the GPU while estimating (max_memory_allocated; None: no GPU)
     device_allocated: int | None = None
+    # FSDP2: the most all-gathered (unsharded) parameter bytes at any module boundary of step 2
+    unsharded_peak: int = 0
 
     @property
     def peak(self) -> int:
@@ -233,6 +235,7 @@ class Estimate:
                 device_allocated=(
                     int(d["device_allocated"]) if d.get("device_allocated") is not None else None
                 ),
+                unsharded_peak=int(d.get("unsharded_peak", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EstimateError(f"estimate: malformed ({exc})") from None
@@ -462,7 +465,7 @@ def estimate(
             "(torch's FakeStore), under torch's FSDPMemTracker"
         )
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
-    with mode, warnings.catch_warnings(), _group_closed(mesh):
+    with mode, warnings.catch_warnings(), _group_closed(mesh), contextlib.ExitStack() as more:
         # ModTracker warns on every recomputed (checkpointed) forward; deprecations are noise
         warnings.filterwarnings("ignore", message=".*module hierarchy tracking")
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -475,6 +478,18 @@ def estimate(
             )
             if enable is not None:
                 enable()
+        if _attention_is_math(spec, cuda, device, model):
+            more.enter_context(_math_sdpa())
+            notes.append(
+                "attention traced on PyTorch's math kernel, which keeps each layer's attention "
+                "probabilities for backward: "
+                + (
+                    "CUDA's dispatcher picks it here for this dtype and head layout"
+                    if cuda
+                    else "CUDA's pick for float32 attention with grouped key/value heads (no "
+                    "fused kernel takes both; measured on the H200, torch 2.11)"
+                )
+            )
         if mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -489,6 +504,7 @@ def estimate(
         at_end: dict[str, int] = {}
         best: tuple[int, list[ModulePeak]] = (-1, [])
         in_optimizer = False  # whether step 2's peak is in its optimizer step
+        unsharded = 0
         root = type(model).__name__
         stack = _Stack(model)
         try:
@@ -513,6 +529,8 @@ def estimate(
                         peak = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
                         if step == MAX_STEPS_TRACED and peak > best[0]:
                             best = (peak, _module_peaks(tracker, root, device))
+                        if step == MAX_STEPS_TRACED:
+                            unsharded = max(unsharded, _most_unsharded(tracker, device))
                     before = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
                     say(f"tracing step {step}'s optimizer step")
                     opt.step()
@@ -570,7 +588,58 @@ def estimate(
         seconds=round(time.monotonic() - t0, 2),
         torch=torch.__version__,
         device_allocated=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        unsharded_peak=unsharded,
     )
+
+
+def _attention_is_math(spec: Spec, cuda: bool, device: Any, model: Any) -> bool:
+    """Whether scaled-dot-product attention runs PyTorch's math kernel in the real step. Fake
+    tensors pass a fused kernel's shape rules even where the real dispatcher has no kernel (on
+    the H200, torch 2.11: float32 with grouped key/value heads, which flash refuses for the
+    dtype and the memory-efficient kernel for the grouping), so on a GPU the dispatcher is asked
+    with a few real bytes of this model's head layout; without one, that rule stands in."""
+    import torch
+
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return False  # not a transformer config stepmem can read: trace what fake tensors take
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", heads) // heads
+    gqa = kv != heads
+    if not cuda:
+        return gqa and not spec.bf16
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.nn.attention import SDPBackend
+
+        dtype = torch.bfloat16 if spec.bf16 else torch.float32
+        with unset_fake_temporarily():
+            q = torch.zeros(1, heads, 16, dim, device=device, dtype=dtype)
+            k = torch.zeros(1, kv, 16, dim, device=device, dtype=dtype)
+            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=None, enable_gqa=gqa)
+        return int(choice) == int(SDPBackend.MATH)
+    except Exception:  # a torch without the probe: trace what fake tensors take
+        return False
+
+
+@contextlib.contextmanager
+def _math_sdpa() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
+def _most_unsharded(tracker: Any, device: Any) -> int:
+    """The most unsharded-parameter bytes in any module snapshot FSDPMemTracker took (what the
+    probe's UnshardWatch reads on a real run: the all-gathered copies at their own peak)."""
+    most = 0
+    for stats in list(getattr(tracker, "memory_tracking", {}).values()):
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                most = max(most, _parts(snap, device)["unsharded_parameters"])
+    return most
 
 
 def _step_counters(opt: Any) -> int:
@@ -784,7 +853,7 @@ def reconcile(est: Estimate, records: list[Any]) -> tuple[list[Row], list[str]]:
             [
                 Row(
                     "unsharded parameters at their peak (FSDP2 all-gather)",
-                    est.steady.get("unsharded_parameters", 0),
+                    est.unsharded_peak or est.steady.get("unsharded_parameters", 0),
                     led["unsharded_parameters_peak"],
                     "measured: the probe's watch of FSDP2's unshard",
                 )

@@ -384,10 +384,41 @@ def test_the_fsdp2_estimate_equals_the_h200_ledger_and_torchs_tracker_to_the_byt
     run = load_run(ROOT / "benchmarks/results/h200-distributed/runs/h200-1b-fsdp2")
     rows, named = reconcile(est, run.by_gpu[run.gpus[0]])
     by = {r.component: r for r in rows}
-    for name in ("parameters", "optimizer state (device)", "gradients (kept between steps)"):
+    for name in (
+        "parameters",
+        "optimizer state (device)",
+        "gradients (kept between steps)",
+        "unsharded parameters at their peak (FSDP2 all-gather)",
+    ):
         assert by[name].difference == 0, by[name]
-    # activations on the CPU stand-in are off here, and the report says why
-    assert any("standing in for CUDA" in n for n in named)
+    # float32 attention with grouped key/value heads runs PyTorch's math kernel on CUDA (no
+    # fused kernel takes both): traced so on the stand-in too, step 2's peak is within 1 %
+    r = by["step 2 allocated peak"]
+    assert abs(r.difference) <= 0.01 * r.measured, r
+    assert "Step 1 → step 2: allocated peak +12.29 GiB measured" in " ".join(named)
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "within"),
+    [
+        ("h200-7b-adamw_8bit", CAPTURES / "adamw_8bit.capture.parquet", 0.001),
+        ("h200-7b-paged_adamw_8bit", CAPTURES / "paged_adamw_8bit.capture.parquet", 0.001),
+        ("h200-1b-fsdp2", ROOT / "benchmarks/results/h200-distributed/runs/h200-1b-fsdp2", 0.005),
+    ],
+)
+def test_the_estimates_made_on_the_h200_match_its_runs(name, source, within):
+    """`stepmem estimate` run on the H200 (fake CUDA tensors, CUDA's own kernel choices; a few
+    hundred KiB of real GPU memory: the attention-kernel probe) against the committed runs:
+    both steps' allocated peaks within 0.1 % (7B) and 0.5 % (1B FSDP2)."""
+    est = load_estimate(RESULTS / f"{name}.estimate.json")
+    assert not est.stand_in and est.device == "cuda:0"
+    assert est.device_allocated is not None and est.device_allocated < 1 << 20
+    run = load_run(source)
+    rows, _ = reconcile(est, run.by_gpu[run.gpus[0]])
+    by = {r.component: r for r in rows}
+    for row in ("step 1 allocated peak", "step 2 allocated peak"):
+        r = by[row]
+        assert abs(r.difference) <= within * r.measured, r
 
 
 def test_shard_flags_need_the_distributed_workload():

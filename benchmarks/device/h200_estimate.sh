@@ -9,7 +9,7 @@
 #     (STEPMEM_ESTIMATE: the predicted peak rides with each end event), its store reported with
 #     `report --estimate`.
 # Results as $OUT/estimate-$PART.tar.gz.
-#   device run (carry .bundle):  PART=1 bash benchmarks/device/h200_estimate.sh
+#   device run:  PART=1 bash benchmarks/device/h200_estimate.sh   (PART=2: carry .bundle)
 source benchmarks/device/bundle.sh
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 PART=${PART:-1}
