@@ -22,6 +22,7 @@ import pytest
 
 from collector.store import RunStore
 from tests.caps import GIB, MIB, stepped
+from tests.conftest import wait_for
 from tests.test_cli import stepmem
 
 pytestmark = pytest.mark.ray
@@ -376,15 +377,30 @@ def test_a_run_says_what_remote_write_could_not_deliver_and_stores_no_secret(
     )
 
 
+def _children(pid: int, name: bytes) -> list[int]:
+    """Processes whose parent is ``pid`` and whose command is ``name``."""
+    out = []
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = st.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and (st.parent / "comm").read_bytes().strip() == name:
+                out.append(int(st.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, record_fault):
     out = tmp_path / "partial.capture.parquet"
     proc = subprocess.Popen([*CLI, "capture", "--backend", "replay", "--capture", "spiky",
                              "--out", str(out), "--", "sleep", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(4)
+    # Ctrl-C once the capture is recording: its command (a child of the capture) is running
+    wait_for(lambda: _children(proc.pid, b"sleep"), timeout=120)
+    time.sleep(1)  # a second of samples to keep
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, (stdout, stderr)
     from collector.replay import Capture
 
     cap = Capture.load(out)
