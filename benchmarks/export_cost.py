@@ -28,7 +28,7 @@ from collector.export.prometheus import SamplerCollector, Snapshot
 from collector.export.remote_write import RemoteWriteConfig, RemoteWriter
 from collector.sampler import RingBuffer
 from tests.prom import Prometheus
-from tests.test_metrics import record
+from tests.records import step_record as record
 
 GIB = 1 << 30
 

@@ -23,9 +23,10 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.backends import BackendSpec
+from collector.model.settings import DEFAULT_CAPACITY, Rate, SamplerOptions, Sampling
+from collector.placement import launch_samplers
 from collector.session import start_local_ray
-from collector.settings import DEFAULT_CAPACITY, Rate, Sampling
 
 MIB = 1 << 20
 
@@ -53,7 +54,7 @@ def main() -> None:
         BackendSpec("replay", captures=["adamw_8bit"], gpus=a.gpus),
         SamplerOptions(Sampling(rate=Rate.MAX), metrics_addr="127.0.0.1", run_id="long-run"),
     )
-    pids = {p.gpu_uuid: p.info["pid"] for p in placed}
+    pids = {p.gpu_uuid: p.info.pid for p in placed}
     cursors = {p.gpu_uuid: 0 for p in placed}
     last_step = {p.gpu_uuid: 0 for p in placed}  # record cursors
     series: list[dict] = []

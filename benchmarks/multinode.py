@@ -32,12 +32,12 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
+from collector.analysis.report import render_report  # noqa: E402
+from collector.analysis.runs import load_run  # noqa: E402
 from collector.lookup import SamplerLookup, list_samplers  # noqa: E402
-from collector.report import render_report  # noqa: E402
-from collector.run import JobOptions, run_job  # noqa: E402
-from collector.runs import load_run  # noqa: E402
+from collector.model.settings import JobOptions, SamplerOptions  # noqa: E402
+from collector.run import run_job  # noqa: E402
 from collector.session import loopback_only_ray  # noqa: E402
-from collector.settings import SamplerOptions  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -217,16 +217,16 @@ def main() -> int:
     (a.out / "report.txt").write_text(text)
     meta = run.meta
     per_gpu: dict[str, dict] = {}
-    for s in meta["samplers"]:
-        steps = sorted(r["step"] for r in records if r["gpu_uuid"] == s["gpu_uuid"])
-        per_gpu[s["gpu_uuid"]] = {
-            "node": s["node_id"],
-            "index": s["index"],
+    for s in run.samplers:
+        steps = sorted(r.step for r in records if r.gpu_uuid == s.gpu_uuid)
+        per_gpu[s.gpu_uuid] = {
+            "node": s.node_id,
+            "index": s.index,
             "steps": len(steps),
             "last_step": steps[-1] if steps else None,
-            "on_removed_node": s["node_id"] == watcher.removed_node,
+            "on_removed_node": s.node_id == watcher.removed_node,
         }
-    nodes = sorted({s["node_id"] for s in meta["samplers"]})
+    nodes = sorted({s.node_id for s in run.samplers})
     result = {
         "command": " ".join(["python", "benchmarks/multinode.py", *sys.argv[1:]]),
         "nodes": a.nodes,
@@ -234,10 +234,10 @@ def main() -> int:
         "head": head,
         "removed_node": watcher.removed_node,
         "job_seconds": round(job_s, 1),
-        "samplers": len(meta["samplers"]),
-        "samplers_per_node": {n: sum(s["node_id"] == n for s in meta["samplers"]) for n in nodes},
+        "samplers": len(run.samplers),
+        "samplers_per_node": {n: sum(s.node_id == n for s in run.samplers) for n in nodes},
         # the node each sampler was placed for is the node its actor process runs on
-        "samplers_on_their_node": all(s["actor_node_id"] == s["node_id"] for s in meta["samplers"]),
+        "samplers_on_their_node": all(s.actor_node_id == s.node_id for s in run.samplers),
         "status": meta.get("status"),
         "samplers_unreachable": meta.get("samplers_unreachable"),  # samplers, each once
         "sampler_calls_failed": meta.get("sampler_calls_failed"),

@@ -25,11 +25,12 @@ import time
 import numpy as np
 import ray
 
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.backends import BackendSpec
+from collector.model.settings import SamplerOptions, Sampling
+from collector.model.step import StepRecord
+from collector.placement import launch_samplers
 from collector.probe.core import StepProbe
-from collector.records import StepRecord
 from collector.session import start_local_ray
-from collector.settings import Sampling
 from workloads import spiky
 
 RATES = {"100 Hz": 100.0, "1 kHz": 1000.0, "10 kHz": 10_000.0, "max": 0.0}
@@ -61,7 +62,7 @@ def run_rate(rate: float, args: argparse.Namespace) -> tuple[list[dict], dict | 
     summary = spiky.run(wl, probe)
     probe.close()
     time.sleep(0.3)
-    records = ray.get(p.handle.step_records.remote(flush=True))
+    records = [r.to_dict() for r in ray.get(p.handle.step_records.remote(flush=True))]
     trace = ray.get(p.handle.samples_since.remote(start)) if rate == 0.0 else None
     ray.kill(p.handle)
     time.sleep(0.5)

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from collector.probe.core import Outbox, StepProbe
+from collector.probe.core import StepProbe
+from collector.probe.outbox import Outbox
 
 
 def median_us(fn, n: int) -> float:

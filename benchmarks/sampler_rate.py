@@ -19,9 +19,10 @@ import numpy as np
 import pynvml
 import ray
 
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.backends import BackendSpec
+from collector.model.settings import Rate, SamplerOptions, Sampling
+from collector.placement import launch_samplers
 from collector.session import start_local_ray
-from collector.settings import Rate, Sampling
 
 
 def bare_pynvml(handle, seconds: float) -> float:
@@ -60,10 +61,10 @@ def proc_cpu_s(pid: int) -> float:
 def actor_window(handle, seconds: float) -> dict:
     start = ray.get(handle.samples_since.remote(1 << 62))["next"]
     info = ray.get(handle.info.remote())
-    cpu0, tcpu0 = proc_cpu_s(info["pid"]), ray.get(handle.thread_cpu_s.remote())
+    cpu0, tcpu0 = proc_cpu_s(info.pid), ray.get(handle.thread_cpu_s.remote())
     w0 = time.perf_counter()
     time.sleep(seconds)
-    cpu1, tcpu1 = proc_cpu_s(info["pid"]), ray.get(handle.thread_cpu_s.remote())
+    cpu1, tcpu1 = proc_cpu_s(info.pid), ray.get(handle.thread_cpu_s.remote())
     wall = time.perf_counter() - w0
     s = ray.get(handle.samples_since.remote(start))
     t = np.asarray(s["t_ns"])

@@ -26,9 +26,11 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from collector.backends import BackendSpec
 from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.model.settings import SamplerOptions
+from collector.placement import launch_samplers
 from collector.session import start_local_ray
 from tests.prom import Prometheus
 
@@ -52,14 +54,14 @@ def measure(n: int, seconds: float, prom: Prometheus) -> dict:
     )
     try:
         time.sleep(2.0)
-        pids = [p.info["pid"] for p in placed]
+        pids = [p.info.pid for p in placed]
         cpu0 = [proc_cpu_s(pid) for pid in pids]
         sent0 = sum(ray.get(p.handle.health.remote())["remote_write"]["sent"] for p in placed)
         t0 = time.monotonic()
         scrape_ms, series = [], 0
         while time.monotonic() - t0 < seconds:
             for p in placed:
-                url = f"http://127.0.0.1:{p.info['metrics_port']}/metrics"
+                url = f"http://127.0.0.1:{p.info.metrics_port}/metrics"
                 s = time.perf_counter()
                 with urllib.request.urlopen(url, timeout=10) as r:
                     text = r.read().decode()

@@ -9,6 +9,10 @@ Prints, for ``collector`` and ``workloads``:
   counted, also those inside functions), from grimp;
 * what the training process imports: the modules ``collector.probe.core`` pulls in, and whether
   the sampler actor's module and the Prometheus exporter are among them;
+* the import contracts between the house's rooms (:data:`CONTRACTS`), each with the imports that
+  break it (none: it holds); module sizes;
+* the vocabulary: memory kinds and account components written as string literals outside the
+  ground floor (:mod:`collector.model`), ``GIB`` defined outside its units module;
 * where the sampling settings' defaults are written (the number literal of the default rate and
   window next to a name that says so) and where "0 means max" is read;
 * the sampler settings copied by hand from one object into another (``rate_hz=opts.rate_hz``):
@@ -138,8 +142,8 @@ BYTES_LITERAL = re.compile(r"\b\d+\s*\*\s*(MIB|GIB)\b|<<\s*(20|30)\b")
 
 def diagnosis_figures() -> dict:
     """What the diagnosis and report code looks like: torch's stat keys written as string
-    literals outside ``records.py``; step records read as dicts in the code that reads a run
-    (``r["…"]``, ``r.get(…)``); the rule modules and their sizes; byte thresholds written as
+    literals outside the model's records; step records read as dicts in the code that reads a
+    run (``r["…"]``, ``r.get(…)``); the rule modules and their sizes; byte thresholds written as
     literals in the diagnosis's rule code rather than declared once (in ``kinds.Thresholds``)."""
     stat_sites = []
     for path in _files():
@@ -148,16 +152,10 @@ def diagnosis_figures() -> dict:
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if STAT_KEY.search(line.split("#")[0]):
                 stat_sites.append(f"{path.relative_to(ROOT)}:{i}")
-    readers = [
-        ROOT / "collector" / n
-        for n in ("report.py", "compare.py", "timeline.py", "diagnose.py", "accounting.py")
-    ]
-    readers += sorted((ROOT / "collector" / "diagnosis").rglob("*.py"))
+    readers = sorted((ROOT / "collector" / "analysis").rglob("*.py"))
     as_dict = []
     thresholds = []
     for path in readers:
-        if not path.exists():
-            continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
             if RECORD_AS_DICT.search(code):
@@ -165,7 +163,7 @@ def diagnosis_figures() -> dict:
             in_rules = "diagnosis" in path.parts and path.name != "kinds.py"
             if BYTES_LITERAL.search(code) and in_rules:
                 thresholds.append(f"{path.relative_to(ROOT)}:{i}")
-    rules_dir = ROOT / "collector" / "diagnosis" / "rules"
+    rules_dir = ROOT / "collector" / "analysis" / "diagnosis" / "rules"
     rules = {
         p.stem: len(p.read_text().splitlines())
         for p in sorted(rules_dir.glob("*.py"))
@@ -178,6 +176,130 @@ def diagnosis_figures() -> dict:
         "byte_literals_in_rule_code": thresholds,
         "rule_modules": rules,
     }
+
+
+# -- the house: rooms, contracts between them, sizes, vocabulary ------------------------------
+
+LIBRARY = (  # what must never depend on the example workloads (the job runs them by name)
+    "collector.model",
+    "collector.probe",
+    "collector.analysis",
+    "collector.estimate",
+    "collector.export",
+    "collector.sampler",
+    "collector.join",
+    "collector.actor",
+    "collector.nvml",
+    "collector.replay",
+    "collector.store",
+    "collector.metrics",
+)
+# (name, the modules it binds, what they may import of stepmem: allowed prefixes, or
+# forbidden prefixes when the third element starts with "!")
+CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        "the model (ground floor) imports nothing of collector but itself",
+        ("collector.model",),
+        ("collector.model",),
+    ),
+    (
+        "the probe imports only the model and its lookup",
+        ("collector.probe",),
+        ("collector.model", "collector.probe", "collector.lookup"),
+    ),
+    (
+        "neither the exporters nor the actor import the analysis or the estimate",
+        ("collector.export", "collector.actor", "collector.sampler", "collector.join"),
+        ("!", "collector.analysis", "collector.estimate", "collector.cli"),
+    ),
+    (
+        "the estimate does not import the run-reading side, the live side or the job",
+        ("collector.estimate",),
+        ("collector.model", "collector.estimate"),
+    ),
+    (
+        "nothing in the library imports the example workloads",
+        LIBRARY,
+        ("!", "workloads"),
+    ),
+    (
+        "nothing below the command imports it",
+        ("collector",),
+        ("!", "collector.cli"),
+    ),
+)
+ENTRY = ("collector.cli", "collector.__main__", "collector.job")  # the command and its shims
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _graph():
+    import grimp
+
+    sys.path.insert(0, str(ROOT))
+    return grimp.build_graph(*PACKAGES, include_external_packages=True)
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def contracts(graph=None) -> dict[str, list[str]]:
+    """Each contract with the imports that break it (``importer -> imported``; empty: holds)."""
+    graph = graph or _graph()
+    mods = sorted(m for m in graph.modules if m.split(".")[0] in PACKAGES)
+    out: dict[str, list[str]] = {}
+    for name, bound, rule in CONTRACTS:
+        forbid = rule[0] == "!"
+        broken = []
+        for m in mods:
+            if not _within(m, bound) or (forbid and _within(m, ENTRY)):
+                continue
+            for imp in sorted(graph.find_modules_directly_imported_by(m)):
+                if imp.split(".")[0] not in PACKAGES:
+                    continue
+                bad = _within(imp, rule[1:]) if forbid else not _within(imp, rule)
+                if bad:
+                    broken.append(f"{m} -> {imp}")
+        out[name] = broken
+    return out
+
+
+def module_sizes() -> dict[str, int]:
+    """Lines of every module of ``collector`` and ``workloads``, largest first."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _files()}
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
+
+
+KIND_LITERAL = re.compile(
+    r'"(parameters|gradients|optimizer_state|optimizer_state_managed|gradient_buckets|'
+    r"other_allocated|activations|temporaries|buffers|gradient_bucket_bytes|"
+    r'unsharded_parameters_peak)"'
+)
+COMPONENT_LITERAL = re.compile(
+    r'"(torch reserved|outside torch, this process|other processes|no process \(managed/UVM\)|'
+    r'outside torch \(unsplit\))"'
+)
+GIB_DEFINED = re.compile(r"^\s*GIB\s*=|\b1\s*<<\s*30\b")
+
+
+def vocabulary() -> dict[str, list[str]]:
+    """Where the shared vocabulary is written outside the ground floor: memory kinds and account
+    components as string literals, ``GIB`` defined (or ``1 << 30`` spelled out)."""
+    out: dict[str, list[str]] = {"memory_kind_literals": [], "component_literals": [], "gib": []}
+    for path in _files():
+        if "model" in path.relative_to(ROOT).parts:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            where = f"{path.relative_to(ROOT)}:{i}"
+            if KIND_LITERAL.search(code):
+                out["memory_kind_literals"].append(where)
+            if COMPONENT_LITERAL.search(code):
+                out["component_literals"].append(where)
+            if GIB_DEFINED.search(code):
+                out["gib"].append(where)
+    return out
 
 
 def dead_code() -> list[str]:
@@ -202,7 +324,7 @@ def dead_code() -> list[str]:
         if line.split(":")[0].startswith(PACKAGES)
         and "unused variable" not in line
         and not CALLBACKS.search(line)
-        and "collector/records.py" not in line  # NamedTuple fields read by name elsewhere
+        and "collector/model/records.py" not in line  # fields read by name elsewhere
     ]
 
 
@@ -211,8 +333,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     cycles, probe = import_cycles()
+    sizes = module_sizes()
     result = {
         "longest_functions": longest_functions(),
+        "functions_over_limit": [
+            f for f in longest_functions(10_000) if f["lines"] > MAX_FUNCTION_LINES
+        ],
+        "largest_modules": dict(list(sizes.items())[:8]),
+        "modules_over_limit": {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES},
+        "modules": len(sizes),
+        "contracts": contracts(),
+        "vocabulary": vocabulary(),
         "import_cycles": cycles,
         "probe_imports": [m for m in probe if m.split(".")[0] in ("collector", "ray", "workloads")],
         "literals": literals(),
@@ -221,6 +352,19 @@ def main() -> None:
     }
     for f in result["longest_functions"]:
         print(f"{f['lines']:4d} lines  {f['function']}")
+    print(
+        f"functions over {MAX_FUNCTION_LINES} lines: {len(result['functions_over_limit'])}; "
+        f"modules over {MAX_MODULE_LINES} lines: {len(result['modules_over_limit'])} "
+        f"(of {result['modules']}; largest: "
+        + ", ".join(f"{k} {v}" for k, v in list(result["largest_modules"].items())[:4])
+        + ")"
+    )
+    for name, broken in result["contracts"].items():
+        print(f"contract: {name}: {'holds' if not broken else f'{len(broken)} imports break it'}")
+        for b in broken:
+            print("   ", b)
+    for k, where in result["vocabulary"].items():
+        print(f"vocabulary: {k} outside collector/model: {len(where)}  {' '.join(where)}")
     print(f"import cycles: {len(cycles)}")
     for c in cycles:
         print("   ", " <-> ".join(c))

@@ -23,11 +23,12 @@ import numpy as np
 import ray
 import torch
 
+from collector.backends import BackendSpec
 from collector.lookup import SamplerLookup
-from collector.placement import BackendSpec, SamplerOptions, launch_samplers
+from collector.model.settings import SamplerOptions, Sampling
+from collector.placement import launch_samplers
 from collector.probe.core import StepProbe
 from collector.session import start_local_ray
-from collector.settings import Sampling
 from workloads.finetune import SHAPES, build_model
 
 MODES = {"off": None, "1 kHz": 1000.0, "max": 0.0}

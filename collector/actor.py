@@ -8,6 +8,7 @@ made while it restarts are retried on the new process (``max_task_retries=3``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -17,14 +18,16 @@ from typing import Any
 
 import ray
 
-from collector.accounting import outside_share
 from collector.backends import BackendSpec, ReplayControl
+from collector.join import StepJoiner
 from collector.metrics import gpu_labels
+from collector.model.account import outside_share
+from collector.model.records import SamplerInfo, Stat, StepEvent
+from collector.model.settings import SamplerOptions
+from collector.model.step import ProcessesReading, StepRecord
 from collector.probe.outbox import SpoolReader
 from collector.procwatch import ProcessWatch, as_reading
-from collector.records import Stat, StepEvent
-from collector.sampler import Sampler, StepJoiner
-from collector.settings import SamplerOptions
+from collector.sampler import Sampler
 
 __all__ = ["SamplerActor"]
 
@@ -71,7 +74,7 @@ class SamplerActor:
         self.events_received = 0
         self.events_rejected: Counter[str] = Counter()
         # accepted events, for the run store (a run's samplers; a daemon's keep none)
-        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT if options.keep_events else 0)
+        self.events: deque[StepEvent] = deque(maxlen=EVENTS_KEPT if options.keep_events else 0)
         self.events_accepted = 0
         self.spool = SpoolReader(options.spool, gpu_uuid) if options.spool else None
         # A run's replay reads nothing until the run aligns it (replay_from): at the start, and
@@ -114,20 +117,20 @@ class SamplerActor:
         )
         self._join_thread.start()
 
-    def _processes_for(self, rec: Any) -> dict[str, Any] | None:
+    def _processes_for(self, rec: StepRecord) -> ProcessesReading | None:
         """:meth:`_processes_at` for a joined step, with ``baseline``: the smallest memory its
         process has held outside torch so far (for the live accounting series)."""
         snap = self._processes_at(rec.end_ns, rec.nvml_end_bytes)
-        pid = (rec.torch_begin or {}).get(Stat.PROCESS_PID)
-        reserved = (rec.torch_end or {}).get(Stat.RESERVED)
+        pid = rec.begin_stat(Stat.PROCESS_PID)
+        reserved = rec.reserved_end
         if snap is None or pid is None or reserved is None:
             return snap
-        v = outside_share(snap["procs"], pid, int(reserved))
+        v = outside_share(snap.procs, pid, reserved)
         if v is not None:
             self._baseline = v if self._baseline is None else min(self._baseline, v)
-        return {**snap, "baseline": self._baseline}
+        return dataclasses.replace(snap, baseline=self._baseline)
 
-    def _processes_at(self, end_ns: int, end_used: int | None) -> dict[str, Any] | None:
+    def _processes_at(self, end_ns: int, end_used: int | None) -> ProcessesReading | None:
         """NVML per-process memory for the step that ended at ``end_ns``, with the device's used
         memory at the same moment: a live GPU's reading nearest the end that saw the device as
         the step left it (:class:`collector.procwatch.ProcessWatch`), a replay's snapshot
@@ -154,12 +157,12 @@ class SamplerActor:
             except Exception:  # never let the join thread die silently
                 log.exception("step join failed")
 
-    def _publish(self, records: list[Any], final: bool = False) -> None:
+    def _publish(self, records: list[StepRecord], final: bool = False) -> None:
         if self.writer is None:
             return
         offset = time.time_ns() - time.monotonic_ns()
         for rec in records:
-            self.writer.push_step(self.labels, rec.to_dict(), offset)
+            self.writer.push_step(self.labels, rec, offset)
         if self.options.push_samples:
             w, nxt = self.sampler.ring.since(self._sample_cursor)
             if w.lost:
@@ -185,7 +188,7 @@ class SamplerActor:
             target_rate_hz=s.rate_hz,
             up=s.alive,
             steps_joined=self.joiner.joined,
-            last_records=[r.to_dict() for r in self.joiner.newest_by_process()],
+            last_records=self.joiner.newest_by_process(),
             remote_write=self.writer.stats() if self.writer is not None else {},
             processes=self._process_series(),
         )
@@ -207,41 +210,41 @@ class SamplerActor:
         else:
             reading = self._processes_at(time.monotonic_ns(), None)
         out: dict[str, int] = {}
-        for pid, used, _ in (reading or {}).get("procs", []):
-            label = self.process_labels.get(int(pid), "other")
-            out[label] = out.get(label, 0) + int(used or 0)
+        for p in reading.procs if reading is not None else []:
+            label = self.process_labels.get(p.pid, "other")
+            out[label] = out.get(label, 0) + (p.used_bytes or 0)
         return out
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> SamplerInfo:
         d = self.device.info
-        return {
-            "node_id": self.node_id,
-            "actor_node_id": ray.get_runtime_context().get_node_id(),  # where it really runs
-            "gpu_uuid": d.uuid,
-            "index": d.index,
-            "name": d.name,
-            "total_bytes": d.total_bytes,
-            "driver": d.driver,
-            "backend": self.device.backend,
-            "memory_info_version": self.device.memory_info_version,
-            "rate_hz": self.sampler.rate_hz,
-            "resolution_ns": self.sampler.resolution_ns,
-            "run_id": self.options.run_id,
-            "workload": self.options.workload,
-            "targets": self.options.targets,
-            "metrics_addr": self.metrics_addr,
-            "metrics_port": self.metrics_port,
-            "capacity": self.sampler.ring.capacity,
-            "ring_bytes": self.sampler.ring.nbytes,
-            "pid": os.getpid(),
-            "started_ns": self.sampler.started_ns,
-            "wall_offset_ns": time.time_ns() - time.monotonic_ns(),
-            "replay_origin_ns": getattr(self.device, "origin_ns", None),
-            "replay_speed": getattr(self.device, "speed", None),
-            "error": self.init_error,
+        return SamplerInfo(
+            node_id=self.node_id,
+            actor_node_id=ray.get_runtime_context().get_node_id(),  # where it really runs
+            gpu_uuid=d.uuid,
+            index=d.index,
+            name=d.name,
+            total_bytes=d.total_bytes,
+            driver=d.driver,
+            backend=self.device.backend,
+            memory_info_version=self.device.memory_info_version,
+            rate_hz=self.sampler.rate_hz,
+            resolution_ns=self.sampler.resolution_ns,
+            run_id=self.options.run_id,
+            workload=self.options.workload,
+            targets=self.options.targets,
+            metrics_addr=self.metrics_addr,
+            metrics_port=self.metrics_port,
+            capacity=self.sampler.ring.capacity,
+            ring_bytes=self.sampler.ring.nbytes,
+            pid=os.getpid(),
+            started_ns=self.sampler.started_ns,
+            wall_offset_ns=time.time_ns() - time.monotonic_ns(),
+            replay_origin_ns=getattr(self.device, "origin_ns", None),
+            replay_speed=getattr(self.device, "speed", None),
+            error=self.init_error,
             # training processes that reported here: pid → Ray name (the per-process series)
-            "processes": {str(pid): label for pid, label in self.process_labels.items()},
-        }
+            processes={str(pid): label for pid, label in self.process_labels.items()},
+        )
 
     def record_events(self, events: list[dict[str, Any]]) -> int:
         """Take a batch of step events (dicts). Returns how many were accepted."""
@@ -266,7 +269,7 @@ class SamplerActor:
                 self.events_rejected["wrong_gpu"] += 1
                 continue
             self.joiner.add(ev)
-            self.events.append(ev.to_dict())
+            self.events.append(ev)
             self.events_accepted += 1
             accepted += 1
         return accepted
@@ -279,7 +282,7 @@ class SamplerActor:
         out = list(self.events)[start - first :]
         return {"events": out, "next": self.events_accepted, "lost": max(0, first - cursor)}
 
-    def step_records(self, flush: bool = False) -> list[dict[str, Any]]:
+    def step_records(self, flush: bool = False) -> list[StepRecord]:
         """Every joined step record still kept (the newest 20,000); ``flush`` joins pending
         steps now."""
         return self.records_since(0, flush)["records"]
@@ -290,12 +293,11 @@ class SamplerActor:
         store drains with this: every record once, whatever its step number."""
         self._publish(self.joiner.poll(force=flush))
         recs, nxt, lost = self.joiner.records_since(cursor)
-        return {"records": [r.to_dict() for r in recs], "next": nxt, "lost": lost}
+        return {"records": recs, "next": nxt, "lost": lost}
 
-    def newest_record(self) -> dict[str, Any] | None:
+    def newest_record(self) -> StepRecord | None:
         """The newest joined step record (for a tracker's per-step keys), None before any."""
-        rec = self.joiner.newest()
-        return None if rec is None else rec.to_dict()
+        return self.joiner.newest()
 
     def last(self) -> tuple[int, int, int] | None:
         return self.sampler.ring.last()
@@ -334,6 +336,7 @@ class SamplerActor:
     def health(self) -> dict[str, Any]:
         s = self.sampler
         return {
+            "gpu_uuid": self.device.uuid,
             "alive": s.alive,
             "stopped_by": s.stopped_by,
             "samples_total": s.ring.count,

@@ -1,6 +1,6 @@
 """Command-line argument types and the argument groups several subcommands share, each written
 once: a flag's name, default and help live here, and its value becomes a setting of
-:mod:`collector.settings` in one function.
+:mod:`collector.model.settings` in one function.
 
 The types raise ``argparse.ArgumentTypeError`` with a one-line reason; the parser turns it into
 ``stepmem <cmd>: argument --flag: reason`` (exit 2).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from collector.settings import (
+from collector.model.settings import (
     DEFAULT_RATE,
     DEFAULT_WINDOW_S,
     MAX_WINDOW_S,
@@ -199,12 +199,15 @@ def remote_write_config(ns: argparse.Namespace):  # -> RemoteWriteConfig | None
     return config
 
 
-def sampler_options(ns: argparse.Namespace, run_id: str, workload: str = "") -> SamplerOptions:
+def sampler_options(
+    ns: argparse.Namespace, run_id: str, workload: str = "", targets: str = ""
+) -> SamplerOptions:
     """Every sampler setting of a parsed command line, in one object."""
     return SamplerOptions(
         sampling=sampling(ns),
         run_id=run_id,
         workload=workload,
+        targets=targets,
         metrics_addr=ns.metrics_addr,
         metrics_port=ns.metrics_port,
         remote_write=remote_write_config(ns),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from collector.records import DeviceInfo, ProcessMemory
+from collector.model.records import DeviceInfo, ProcessMemory
 
 __all__ = ["Backend", "BackendSpec", "Device", "ReplayControl"]
 

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from collector.errors import StepmemError
+from collector.model.errors import StepmemError
+from collector.model.settings import Rate
+from collector.model.units import GIB
 from collector.nvml import LiveBackend, NvmlError, NvmlNotFound
 from collector.probe.core import EVENTS_ENV
 from collector.replay import Capture, ReplayBackend, ReplayDevice
 from collector.sampler import Sampler
-from collector.settings import Rate
 
 __all__ = ["record"]
 
@@ -83,7 +84,7 @@ def _capacity(rate: Rate, seconds: float) -> int:
     n = int(rate.samples_in(seconds) * 1.2) + 1024
     if 24 * n > MAX_RING_BYTES:
         raise StepmemError(
-            f"stepmem capture: {seconds:g} s at {rate} needs {24 * n / (1 << 30):.1f} GiB of "
+            f"stepmem capture: {seconds:g} s at {rate} needs {24 * n / GIB:.1f} GiB of "
             f"memory for its samples (at most {MAX_RING_BYTES >> 30} GiB); record for less "
             "time (--max-seconds, --duration) or at a lower --rate"
         )

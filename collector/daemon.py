@@ -13,15 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import ray
 
 from collector.backends import BackendSpec
-from collector.export.file_sd import write_targets
+from collector.export.file_sd import infos_of, write_targets
 from collector.lookup import DAEMON, NAMESPACE, list_samplers
+from collector.model.settings import SamplerOptions
 from collector.placement import PlacedSampler, launch_samplers
-from collector.settings import SamplerOptions
 
 __all__ = ["run_daemon", "stop_daemon"]
 
@@ -32,13 +31,7 @@ def scan(spec: BackendSpec, options: SamplerOptions, targets: Path | None) -> li
     """One pass: a detached sampler on every GPU of every alive node; targets rewritten."""
     placed = launch_samplers(spec, options, detached=True)
     if targets is not None:
-        infos: list[dict[str, Any]] = []
-        for p in placed:
-            try:
-                infos.append(ray.get(p.handle.info.remote(), timeout=10))
-            except Exception:  # a sampler that does not answer is not a target
-                continue
-        write_targets(targets, infos)
+        write_targets(targets, infos_of([p.handle for p in placed], timeout_s=10))
     return placed
 
 
@@ -81,7 +74,7 @@ def stop_daemon(targets: Path | None = None, echo=print) -> int:
         except ValueError:  # gone meanwhile
             continue
         try:
-            kept = ray.get(handle.info.remote(), timeout=10).get("targets")
+            kept = ray.get(handle.info.remote(), timeout=10).targets
             if kept:
                 files.add(Path(kept))
         except Exception:  # a sampler that does not answer is stopped all the same

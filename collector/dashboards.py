@@ -111,26 +111,10 @@ def _variables(d: dashboard.Dashboard) -> dashboard.Dashboard:
     return d
 
 
-def step_memory() -> dashboard.Dashboard:
-    d = (
-        dashboard.Dashboard("stepmem / Step memory")
-        .uid("stepmem-step-memory")
-        .description("GPU memory inside every training step, for one run.")
-        .tags(["stepmem", "gpu", "memory"])
-        .time("now-30m", "now")
-        .refresh("10s")
-    )
-    d = _variables(d)
-    d = d.annotation(
-        dashboard.AnnotationQuery()
-        .name("Steps")
-        .datasource(DS)
-        .enable(True)
-        .icon_color("rgba(120, 120, 120, 0.5)")
-        .expr(f"changes(stepmem_step{{{STEPS}}}[$__interval]) > 0")
-    )
-    d = d.with_row(dashboard.Row("NVML: the whole device"))
-    d = d.with_panel(
+def _device_panels() -> list[Any]:
+    """NVML's side: the whole device, per step and outside the allocator."""
+    return [
+        dashboard.Row("NVML: the whole device"),
         _ts(
             "NVML used, high resolution",
             "NVML v2 'used' at the sampler's rate (pushed as per-millisecond maxima), and its "
@@ -143,9 +127,7 @@ def step_memory() -> dashboard.Dashboard:
                 (f"stepmem_nvml_used_bytes{{{SCRAPED}}}", GPU_LEGEND + " used (scraped)"),
             ],
             w=24,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Per step: NVML within-step peak vs end-of-step reading",
             "One point per step at its end time. The gap between the two lines is memory that came "
@@ -157,9 +139,7 @@ def step_memory() -> dashboard.Dashboard:
                 (f"stepmem_step_nvml_end_bytes{{{STEPS}}}", RANK_LEGEND + " end"),
             ],
             points=True,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Memory outside the torch allocator (end of step)",
             "NVML used − torch reserved − the CUDA context measured before training. Grows with "
@@ -168,10 +148,14 @@ def step_memory() -> dashboard.Dashboard:
             "bytes",
             [(f"stepmem_step_nontorch_bytes{{{STEPS}}}", RANK_LEGEND)],
             points=True,
-        )
-    )
-    d = d.with_row(dashboard.Row("The torch allocator"))
-    d = d.with_panel(
+        ),
+    ]
+
+
+def _allocator_panels() -> list[Any]:
+    """The torch allocator: its peaks and ends, its cache."""
+    return [
+        dashboard.Row("The torch allocator"),
         _ts(
             "torch allocated and reserved: within-step peak vs end",
             "allocated: bytes in live tensors; reserved: bytes the caching allocator holds from "
@@ -197,9 +181,7 @@ def step_memory() -> dashboard.Dashboard:
                 ),
             ],
             points=True,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Allocator cache and fragmentation (reserved − allocated, end of step)",
             "Memory the caching allocator holds but no tensor uses at step end: cached blocks and "
@@ -214,10 +196,14 @@ def step_memory() -> dashboard.Dashboard:
                 )
             ],
             points=True,
-        )
-    )
-    d = d.with_row(dashboard.Row("Ranks"))
-    d = d.with_panel(
+        ),
+    ]
+
+
+def _rank_panels() -> list[Any]:
+    """Ranks side by side, the ledger, the prediction, every byte at step end."""
+    return [
+        dashboard.Row("Ranks"),
         _ts(
             "Per rank: torch allocated within-step peak",
             "Each rank's allocated peak, one point per step: ranks of a data-parallel run should "
@@ -231,9 +217,7 @@ def step_memory() -> dashboard.Dashboard:
                 )
             ],
             points=True,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Per rank: above the run's median",
             "A rank's allocated peak minus the median over the run's ranks (the report's "
@@ -241,9 +225,7 @@ def step_memory() -> dashboard.Dashboard:
             "bytes",
             [(ABOVE_MEDIAN, RANK_LEGEND)],
             points=True,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Memory ledger at step end",
             "Where allocated memory goes: parameters, gradients, optimizer state on the device, "
@@ -253,9 +235,7 @@ def step_memory() -> dashboard.Dashboard:
             [(f"stepmem_step_ledger_bytes{{{STEPS}}}", RANK_LEGEND + " {{kind}}")],
             stack=True,
             w=24,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Predicted vs measured peak",
             "The allocated peak `stepmem estimate` predicted (fake tensors and torch's MemTracker; "
@@ -271,9 +251,7 @@ def step_memory() -> dashboard.Dashboard:
                 (f"stepmem_step_nvml_peak_bytes{{{STEPS}}}", RANK_LEGEND + " NVML peak"),
             ],
             w=24,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Every byte at step end",
             "NVML used at each step's end by component (stepmem_step_account_bytes; they sum to "
@@ -284,22 +262,13 @@ def step_memory() -> dashboard.Dashboard:
             [(f"stepmem_step_account_bytes{{{STEPS}}}", RANK_LEGEND + " {{component}}")],
             stack=True,
             w=24,
-        )
-    )
-    return d
+        ),
+    ]
 
 
-def fleet() -> dashboard.Dashboard:
-    d = (
-        dashboard.Dashboard("stepmem / Fleet")
-        .uid("stepmem-fleet")
-        .description("Every GPU stepmem watches: headroom, growth, alerts, collector health.")
-        .tags(["stepmem", "gpu", "memory"])
-        .time("now-6h", "now")
-        .refresh("30s")
-    )
-    d = _variables(d)
-    d = d.with_panel(
+def _fleet_panels() -> list[Any]:
+    """Every GPU: headroom, growth per run, stepmem's alerts."""
+    return [
         bargauge.Panel()
         .title("Headroom: window peak / capacity")
         .description(
@@ -319,9 +288,7 @@ def fleet() -> dashboard.Dashboard:
                 GPU_LEGEND,
                 "A",
             )
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Memory growth per run (end of step, per second)",
             "Rate of change of NVML used at step end, summed over a run's GPUs: flat after warm-up "
@@ -334,27 +301,27 @@ def fleet() -> dashboard.Dashboard:
                     "{{run}}",
                 )
             ],
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "stepmem alerts",
             "stepmem's alerts, pending or firing (1 while active).",
             "short",
             [('ALERTS{alertname=~"StepMem.*"}', "{{alertname}} {{alertstate}} {{gpu_uuid}}")],
-        )
-    )
-    d = d.with_row(dashboard.Row("The collector"))
-    d = d.with_panel(
+        ),
+    ]
+
+
+def _collector_panels() -> list[Any]:
+    """The collector's own health."""
+    return [
+        dashboard.Row("The collector"),
         _ts(
             "Sampler targets up",
             "Prometheus' view of each sampler's /metrics (1 = scraped).",
             "short",
             [(f"up{{{SCRAPED}}}", GPU_LEGEND)],
             w=8,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Achieved sample rate",
             "NVML samples per second over the last 5 s, against the target.",
@@ -364,9 +331,7 @@ def fleet() -> dashboard.Dashboard:
                 (f"stepmem_sampler_target_rate_hz{{{SCRAPED}}}", GPU_LEGEND + " target"),
             ],
             w=8,
-        )
-    )
-    d = d.with_panel(
+        ),
         _ts(
             "Drops and errors",
             "Per second: step events rejected, remote-write samples dropped, NVML errors.",
@@ -389,9 +354,57 @@ def fleet() -> dashboard.Dashboard:
                 ),
             ],
             w=8,
-        )
+        ),
+    ]
+
+
+def _dashboard(
+    title: str, uid: str, description: str, since: str, refresh: str, items: list[Any]
+) -> dashboard.Dashboard:
+    """A dashboard with stepmem's header and variables, and ``items`` (rows and panels) in
+    order."""
+    d = (
+        dashboard.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["stepmem", "gpu", "memory"])
+        .time(since, "now")
+        .refresh(refresh)
     )
+    d = _variables(d)
+    for item in items:
+        d = d.with_row(item) if isinstance(item, dashboard.Row) else d.with_panel(item)
     return d
+
+
+def step_memory() -> dashboard.Dashboard:
+    d = _dashboard(
+        "stepmem / Step memory",
+        "stepmem-step-memory",
+        "GPU memory inside every training step, for one run.",
+        "now-30m",
+        "10s",
+        [*_device_panels(), *_allocator_panels(), *_rank_panels()],
+    )
+    return d.annotation(
+        dashboard.AnnotationQuery()
+        .name("Steps")
+        .datasource(DS)
+        .enable(True)
+        .icon_color("rgba(120, 120, 120, 0.5)")
+        .expr(f"changes(stepmem_step{{{STEPS}}}[$__interval]) > 0")
+    )
+
+
+def fleet() -> dashboard.Dashboard:
+    return _dashboard(
+        "stepmem / Fleet",
+        "stepmem-fleet",
+        "Every GPU stepmem watches: headroom, growth, alerts, collector health.",
+        "now-6h",
+        "30s",
+        [*_fleet_panels(), *_collector_panels()],
+    )
 
 
 DASHBOARDS = {"stepmem-step-memory.json": step_memory, "stepmem-fleet.json": fleet}

@@ -26,24 +26,14 @@ pushed through remote write with each step's end timestamp, under ``job="stepmem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "GPU_LABELS",
-    "METRICS",
-    "PUSHED",
-    "PUSH_JOB",
-    "PUSH_SAMPLES_JOB",
-    "STEP_LABELS",
-    "Metric",
-    "by_name",
-    "gpu_labels",
-]
+from collector.model.series import GPU_LABELS, SERIES, STEP_LABELS, Metric
 
-GPU_LABELS = ("node", "gpu", "gpu_uuid", "run", "workload")
-STEP_LABELS = (*GPU_LABELS, "rank")  # a step is one rank's (see the module docstring)
+__all__ = ["METRICS", "PUSHED", "PUSH_JOB", "PUSH_SAMPLES_JOB", "by_name", "gpu_labels"]
+
 PUSH_JOB = "stepmem-steps"
+PUSH_SAMPLES_JOB = "stepmem-samples"
 
 
 def gpu_labels(node_id: str, info: Any, run_id: str, workload: str) -> dict[str, str]:
@@ -51,28 +41,6 @@ def gpu_labels(node_id: str, info: Any, run_id: str, workload: str) -> dict[str,
     its node and its ``DeviceInfo``; every exporter uses this dict as it is."""
     values = (node_id, str(info.index), info.uuid, run_id, workload)
     return dict(zip(GPU_LABELS, values, strict=True))
-
-
-PUSH_SAMPLES_JOB = "stepmem-samples"
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    type: str  # "gauge" | "counter"
-    unit: str  # "bytes" | "seconds" | "hertz" | "" (a count or an index)
-    help: str
-    labels: tuple[str, ...] = GPU_LABELS
-
-    def __post_init__(self) -> None:
-        if self.type not in ("gauge", "counter"):
-            raise ValueError(f"{self.name}: type must be gauge or counter")
-        if (self.type == "counter") != self.name.endswith("_total"):
-            raise ValueError(f"{self.name}: counters, and only counters, end in _total")
-        if self.unit == "bytes" and not self.name.endswith("_bytes"):
-            raise ValueError(f"{self.name}: a bytes metric must end in _bytes")
-        if self.unit == "seconds" and not self.name.endswith("_seconds"):
-            raise ValueError(f"{self.name}: a seconds metric must end in _seconds")
 
 
 _NVML_USED = (
@@ -119,112 +87,8 @@ METRICS: tuple[Metric, ...] = (
         "seconds",
         "Length of the trailing window of the _window_max/_window_min gauges.",
     ),
-    # -- the last completed step -------------------------------------------------------------
-    Metric(
-        "stepmem_step",
-        "gauge",
-        "",
-        "Number of the last completed (joined) step. Pushed series carry every step.",
-    ),
-    Metric(
-        "stepmem_step_duration_seconds",
-        "gauge",
-        "seconds",
-        "Wall time between the step's begin and end marks.",
-    ),
-    Metric(
-        "stepmem_step_nvml_peak_bytes",
-        "gauge",
-        "bytes",
-        "Largest NVML used sample between the step's begin and end marks.",
-    ),
-    Metric(
-        "stepmem_step_nvml_end_bytes",
-        "gauge",
-        "bytes",
-        "NVML used at the step's end (first sample at or after the end mark).",
-    ),
-    Metric(
-        "stepmem_step_torch_allocated_peak_bytes",
-        "gauge",
-        "bytes",
-        "PyTorch allocator: peak allocated bytes inside the step (tensors in use).",
-    ),
-    Metric(
-        "stepmem_step_estimate_peak_bytes",
-        "gauge",
-        "bytes",
-        "The step's allocated peak as `stepmem estimate` predicted it (fake tensors and torch's "
-        "MemTracker), beside stepmem_step_torch_allocated_peak_bytes; only for a probe given "
-        "an estimate (STEPMEM_ESTIMATE).",
-    ),
-    Metric(
-        "stepmem_step_torch_reserved_peak_bytes",
-        "gauge",
-        "bytes",
-        "PyTorch allocator: peak reserved bytes inside the step (memory the caching "
-        "allocator holds from the driver, used or cached).",
-    ),
-    Metric(
-        "stepmem_step_torch_allocated_end_bytes",
-        "gauge",
-        "bytes",
-        "PyTorch allocator: allocated bytes at the step's end mark.",
-    ),
-    Metric(
-        "stepmem_step_torch_reserved_end_bytes",
-        "gauge",
-        "bytes",
-        "PyTorch allocator: reserved bytes at the step's end mark. Reserved minus allocated "
-        "is the allocator's cache and fragmentation.",
-    ),
-    Metric(
-        "stepmem_step_nontorch_bytes",
-        "gauge",
-        "bytes",
-        "NVML used minus torch reserved minus the CUDA-context baseline, at step end: memory "
-        "the torch allocator does not hold (managed/paged optimizer state, other libraries).",
-    ),
-    Metric(
-        "stepmem_step_account_bytes",
-        "gauge",
-        "bytes",
-        "NVML used at step end, every byte by component: baseline (this process's CUDA context "
-        "and what it held outside torch before step 1), torch_reserved, outside_torch (this "
-        "process, beyond the baseline), other_processes, no_process (CUDA managed/UVM memory), "
-        "remainder; outside_torch_unsplit where NVML gave no per-process readings. The series of "
-        "one step sum to stepmem_step_nvml_end_bytes.",
-        (*GPU_LABELS, "component"),
-    ),
-    Metric(
-        "stepmem_step_ledger_bytes",
-        "gauge",
-        "bytes",
-        "Memory ledger at step end by kind: parameters, gradients, optimizer_state (on the "
-        "device), optimizer_state_managed (CUDA managed/paged), other_allocated.",
-        (*GPU_LABELS, "kind"),
-    ),
-    Metric(
-        "stepmem_step_gap",
-        "gauge",
-        "",
-        "1 when the last step's sample window had a gap (sampler restarted, ring overrun, "
-        "stall), else 0.",
-    ),
-    # -- allocator pressure ------------------------------------------------------------------
-    Metric(
-        "stepmem_torch_alloc_retries_total",
-        "counter",
-        "",
-        "PyTorch allocator retries (cudaMalloc failed, cache flushed, retried), as of the "
-        "last step.",
-    ),
-    Metric(
-        "stepmem_torch_ooms_total",
-        "counter",
-        "",
-        "PyTorch out-of-memory errors raised by the allocator, as of the last step.",
-    ),
+    # -- per step (and the allocator's counters as of a step's end): collector.model.series
+    *(row.metric for row in SERIES),
     # -- the collector's own health ----------------------------------------------------------
     Metric("stepmem_sampler_samples_total", "counter", "", "NVML samples taken."),
     Metric(
@@ -311,33 +175,18 @@ DROP_REASONS = (
 REMOTE_WRITE_DROP_REASONS = ("buffer_full", "rejected_4xx", "redirected", "gave_up", "ring_overrun")
 
 #: Metrics pushed per step (remote write, step-end timestamps, ``job="stepmem-steps"``).
-PUSHED = (
-    "stepmem_step",
-    "stepmem_step_duration_seconds",
-    "stepmem_step_nvml_peak_bytes",
-    "stepmem_step_nvml_end_bytes",
-    "stepmem_step_torch_allocated_peak_bytes",
-    "stepmem_step_torch_reserved_peak_bytes",
-    "stepmem_step_estimate_peak_bytes",
-    "stepmem_step_torch_allocated_end_bytes",
-    "stepmem_step_torch_reserved_end_bytes",
-    "stepmem_step_nontorch_bytes",
-    "stepmem_step_account_bytes",
-    "stepmem_step_ledger_bytes",
-)
+PUSHED = tuple(row.metric.name for row in SERIES if row.pushed)
 
 
 def _per_rank(m: Metric) -> Metric:
     """A per-step series (or the allocator's counters, read at a step's end) with ``rank``."""
-    if (
-        not m.name.startswith(("stepmem_step", "stepmem_torch_"))
-        or m.name == "stepmem_steps_joined_total"
-    ):
+    if m.name not in _PER_STEP:
         return m
     extra = tuple(label for label in m.labels if label not in GPU_LABELS)
     return Metric(m.name, m.type, m.unit, m.help, (*STEP_LABELS, *extra))
 
 
+_PER_STEP = {row.metric.name for row in SERIES}
 METRICS = tuple(_per_rank(m) for m in METRICS)
 _BY_NAME = {m.name: m for m in METRICS}
 if len(_BY_NAME) != len(METRICS):

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from collector.errors import StepmemError
-from collector.records import DeviceInfo, MemoryInfo, ProcessMemory
+from collector.model.errors import StepmemError
+from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory
 
 __all__ = [
     "ERROR_COUNTS",

@@ -17,6 +17,7 @@ GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -27,19 +28,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from collector.actor import SamplerActor
 from collector.backends import BackendSpec
-from collector.errors import StepmemError
-from collector.lookup import DAEMON, NAMESPACE, list_samplers, sampler_name, this_job
+from collector.lookup import DAEMON, NAMESPACE, sampler_name, this_job
+from collector.model.errors import StepmemError
+from collector.model.records import SamplerInfo
+from collector.model.settings import SamplerOptions
 from collector.nvml import LiveBackend, NvmlUnavailable
-from collector.settings import SamplerOptions
 
-__all__ = [
-    "BackendSpec",
-    "PlacedSampler",
-    "SamplerOptions",
-    "launch_samplers",
-    "list_samplers",
-    "new_run_id",
-]
+__all__ = ["PlacedSampler", "launch_samplers", "new_run_id"]
 
 
 def new_run_id() -> str:
@@ -68,11 +63,14 @@ def _gpus_on(node_id: str, spec: BackendSpec) -> list[dict[str, Any]]:
 
 @dataclass
 class PlacedSampler:
+    """A sampler actor this launch placed (or found): where, its name and handle, and what
+    it said about itself when it started."""
+
     node_id: str
     gpu_uuid: str
     name: str
     handle: Any
-    info: dict[str, Any]
+    info: SamplerInfo
 
 
 def launch_samplers(
@@ -85,13 +83,15 @@ def launch_samplers(
 
     Idempotent within an owner: an actor that already exists under the same name (this job's,
     or with ``detached`` the daemon's) is reused, not doubled; another job's never is. Raises
-    :class:`StepmemError` when no node has a GPU for the chosen backend.
+    :class:`StepmemError` when no node has a GPU for the chosen backend. ``options`` and
+    ``spec`` are left as given: a run id (``options.run_id`` empty) and a replay's origin
+    (``spec.origin_ns`` None) are chosen for this launch's actors only.
     """
     options = options or SamplerOptions()
     if not options.run_id:
-        options.run_id = new_run_id()
+        options = dataclasses.replace(options, run_id=new_run_id())
     if spec.kind == "replay" and spec.origin_ns is None:
-        spec.origin_ns = time.monotonic_ns()
+        spec = dataclasses.replace(spec, origin_ns=time.monotonic_ns())
     found = [
         (node_id, gpu) for node_id in nodes or _alive_nodes() for gpu in _gpus_on(node_id, spec)
     ]
@@ -102,7 +102,7 @@ def launch_samplers(
                 f"--metrics-port {options.metrics_port}: GPU index "
                 f"{top - options.metrics_port} would serve on port {top}; the largest is 65535"
             )
-    placed = []
+    launched = []
     owner = DAEMON if detached else this_job()
     for node_id, gpu in found:
         name = sampler_name(owner, node_id, gpu["uuid"])
@@ -113,24 +113,22 @@ def launch_samplers(
             lifetime="detached" if detached else None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(node_id, gpu["uuid"], spec, options)
-        placed.append(PlacedSampler(node_id, gpu["uuid"], name, handle, {}))
-    if not placed:
+        launched.append((node_id, gpu["uuid"], name, handle))
+    if not launched:
         raise StepmemError(
             "no GPU found on any alive Ray node for the nvml backend; on a machine without GPUs "
             "use the replay backend (--backend replay)"
         )
-    infos = ray.get([p.handle.info.remote() for p in placed], timeout=120)
-    for p, info in zip(placed, infos, strict=True):
-        p.info = info
-    failed = [p for p in placed if p.info.get("error")]
+    infos = ray.get([handle.info.remote() for *_, handle in launched], timeout=120)
+    placed = [PlacedSampler(*one, info) for one, info in zip(launched, infos, strict=True)]
+    failed = [p for p in placed if p.info.error]
     if failed:
         for p in placed:  # none of this launch's samplers stays behind
-            if p.info.get("run_id") == options.run_id:
+            if p.info.run_id == options.run_id:
                 ray.kill(p.handle, no_restart=True)
         first = failed[0]
         raise StepmemError(
-            f"the sampler of GPU {first.info['index']} on node {first.node_id[:12]} "
-            f"{first.info['error']}"
-            + (f" ({len(failed)} samplers failed)" if len(failed) > 1 else "")
+            f"the sampler of GPU {first.info.index} on node {first.node_id[:12]} "
+            f"{first.info.error}" + (f" ({len(failed)} samplers failed)" if len(failed) > 1 else "")
         )
     return placed

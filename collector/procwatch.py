@@ -17,11 +17,13 @@ import bisect
 import threading
 import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from collector.model.records import ProcessMemory
+from collector.model.step import ProcessesReading
 
 if TYPE_CHECKING:
     from collector.backends import Device
-    from collector.nvml import ProcessMemory
     from collector.sampler import Sampler
 
 __all__ = ["HEARTBEAT_S", "MOVE_BYTES", "POLL_S", "ProcessWatch", "as_reading"]
@@ -32,13 +34,9 @@ HEARTBEAT_S = 1.0
 KEEP = 4096  # readings kept (≈ 80 s of constant movement, hours of a steady run)
 
 
-def as_reading(t_ns: int, used: int, procs: list[ProcessMemory]) -> dict[str, Any]:
+def as_reading(t_ns: int, used: int, procs: list[ProcessMemory]) -> ProcessesReading:
     """A per-process reading as step records carry it (``StepRecord.processes``)."""
-    return {
-        "t_ns": int(t_ns),
-        "device_used": int(used),
-        "procs": [[p.pid, p.used_bytes, p.name] for p in procs],
-    }
+    return ProcessesReading(t_ns=int(t_ns), device_used=int(used), procs=list(procs))
 
 
 class ProcessWatch:
@@ -55,7 +53,7 @@ class ProcessWatch:
         self.device, self.sampler = device, sampler
         self.poll_s, self.heartbeat_ns = poll_s, int(heartbeat_s * 1e9)
         self._t: deque[int] = deque(maxlen=keep)
-        self._readings: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._readings: deque[ProcessesReading] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self.errors: Counter[str] = Counter()
         self.reads = 0
@@ -81,8 +79,8 @@ class ProcessWatch:
         with self._lock:
             prev = self._readings[-1] if self._readings else None
         if last is not None and prev is not None:
-            moved = abs(last[1] - prev["device_used"]) > MOVE_BYTES
-            if not moved and last[0] - prev["t_ns"] < self.heartbeat_ns:
+            moved = abs(last[1] - (prev.device_used or 0)) > MOVE_BYTES
+            if not moved and last[0] - (prev.t_ns or 0) < self.heartbeat_ns:
                 return False
         try:
             t, used, procs = self.device.processes_reading(time.monotonic_ns())
@@ -96,11 +94,11 @@ class ProcessWatch:
         self.reads += 1
         return True
 
-    def latest(self) -> dict[str, Any] | None:
+    def latest(self) -> ProcessesReading | None:
         with self._lock:
             return self._readings[-1] if self._readings else None
 
-    def reading_for(self, end_ns: int, end_used: int | None) -> dict[str, Any] | None:
+    def reading_for(self, end_ns: int, end_used: int | None) -> ProcessesReading | None:
         """The reading that describes a step that ended at ``end_ns`` with ``end_used`` bytes
         used: of the latest before the end mark and the first after it, the one whose device
         figure is closest (the one before on a tie or without ``end_used``)."""
@@ -110,6 +108,6 @@ class ProcessWatch:
             after = self._readings[i] if i < len(self._readings) else None
         if before is None or after is None or end_used is None:
             return before or after
-        if abs(after["device_used"] - end_used) < abs(before["device_used"] - end_used):
+        if abs((after.device_used or 0) - end_used) < abs((before.device_used or 0) - end_used):
             return after
         return before

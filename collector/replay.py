@@ -33,7 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from collector.errors import InputError, StepmemError
+from collector.model.errors import InputError, StepmemError
+from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
 from collector.nvml import (
     NvmlGpuLost,
     NvmlNotFound,
@@ -41,7 +42,6 @@ from collector.nvml import (
     NvmlUnavailable,
     NvmlUnknown,
 )
-from collector.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
 
 __all__ = [
     "CAPTURE_DIR",
@@ -254,7 +254,7 @@ def _is_int(v: Any) -> bool:
 def _check_meta(meta: Any, path: Path) -> None:
     """Raise :class:`CaptureError` naming the first field of a capture's metadata that is not
     what a replay reads (captures are files anyone can edit)."""
-    from collector.records import STEP_EVENT_KINDS
+    from collector.model.records import STEP_EVENT_KINDS
 
     bad = f"capture {path} has bad metadata:"
     if not isinstance(meta, dict):

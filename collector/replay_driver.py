@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from collector.errors import StepmemError
-from collector.records import StepEvent
+from collector.model.errors import StepmemError
+from collector.model.records import StepEvent
 
 if TYPE_CHECKING:
     from collector.backends import BackendSpec
     from collector.placement import PlacedSampler
-    from collector.probe.core import Outbox
+    from collector.probe.outbox import Outbox
 
 __all__ = ["REPLAY_LEAD_S", "ReplayDriver"]
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ray
 
 import workloads
-from collector.probe.core import Outbox
+from collector.probe.outbox import Outbox
 
 if TYPE_CHECKING:
     from collector.backends import BackendSpec
+    from collector.model.settings import JobOptions
     from collector.placement import PlacedSampler
-    from collector.settings import JobOptions
 
 __all__ = [
     "CommandRunner",

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from collector.errors import StepmemError
+from collector.model.errors import StepmemError
 
 __all__ = [
     "RaySession",

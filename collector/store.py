@@ -11,7 +11,7 @@ Layout of a run directory (``runs/<run_id>/`` by default)::
 
 Timestamps are the node's ``CLOCK_MONOTONIC`` in nanoseconds; ``meta.json`` keeps each sampler's
 ``wall_offset_ns`` (wall = monotonic + offset). Step columns: one per field of
-:class:`collector.records.StepRecord` (:data:`STEP_COLUMNS`: ``gpu_uuid, step, begin_ns, end_ns,
+:class:`collector.model.step.StepRecord` (:data:`STEP_COLUMNS`: ``gpu_uuid, step, begin_ns, end_ns,
 samples, nvml_peak_bytes``…), every ``torch_end.<key>``, ``torch_begin.<key>`` and
 ``ledger.<kind>`` flattened, and ``phases`` and ``processes`` (JSON).
 
@@ -46,8 +46,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from collector.errors import StepmemError
-from collector.records import StepRecord
+from collector.model.errors import StepmemError
+from collector.model.records import StepEvent
+from collector.model.step import StepRecord
 
 __all__ = ["STEP_COLUMNS", "RunStore", "RunWriter", "StoreError", "flatten_record"]
 
@@ -100,15 +101,15 @@ STEP_COLUMNS = tuple(
 )
 
 
-def flatten_record(rec: dict[str, Any]) -> dict[str, Any]:
+def flatten_record(rec: StepRecord) -> dict[str, Any]:
     """A step record as one flat row (see the module docstring for the columns). A field added
     to :class:`StepRecord` is a column here without a change to this function."""
-    row = {k: rec.get(k) for k in STEP_COLUMNS}
+    row = {k: getattr(rec, k) for k in STEP_COLUMNS}
     for name in _FLAT_DICTS:
-        for k, v in (rec.get(name) or {}).items():
+        for k, v in getattr(rec, name).items():
             row[f"{name}.{k}"] = v
-    row["phases"] = json.dumps(rec.get("phases") or [])
-    row["processes"] = json.dumps(rec.get("processes") or {})
+    row["phases"] = json.dumps([p.to_dict() for p in rec.phases])
+    row["processes"] = json.dumps(rec.processes.to_dict() if rec.processes is not None else {})
     return row
 
 
@@ -176,17 +177,17 @@ class RunWriter:
                     (np.asarray(t_ns), np.asarray(used), np.asarray(reserved))
                 )
 
-    def add_records(self, records: list[dict[str, Any]]) -> None:
+    def add_records(self, records: list[StepRecord]) -> None:
         with self._lock:
             self._steps.extend(flatten_record(r) for r in records)
 
-    def add_events(self, events: list[dict[str, Any]]) -> None:
+    def add_events(self, events: list[StepEvent]) -> None:
         with self._lock:
             self._events.extend(
                 {
-                    **e,
-                    "torch": json.dumps(e.get("torch") or {}),
-                    "ledger": json.dumps(e.get("ledger") or {}),
+                    **e.to_dict(),
+                    "torch": json.dumps(e.torch),
+                    "ledger": json.dumps(e.ledger),
                 }
                 for e in events
             )
@@ -329,7 +330,8 @@ class RunStore:
         return self._read(self.root / "samples" / gpu_uuid)
 
     def records(self) -> list[StepRecord]:
-        """The run's step records, typed, in (GPU, time) order, one per step: a store written
+        """The run's step records, typed and checked as the untrusted data a store is
+        (:meth:`StepRecord.from_untrusted`), in (GPU, time) order, one per step: a store written
         before ``seq`` existed gets it here (1, 2, … in time order per GPU and process); a step
         stored twice (a sampler restarted by Ray joined again a step the old one had joined:
         its events were retried on the new one) is kept once, with the most samples."""
@@ -337,9 +339,12 @@ class RunStore:
         if df is None:
             return []
         try:
-            recs = [StepRecord.from_dict(unflatten_record(r)) for r in df.to_dict("records")]
+            recs = [
+                StepRecord.from_untrusted(unflatten_record(r), f"{self.root}: record {i}")
+                for i, r in enumerate(df.to_dict("records"))
+            ]
         except (ValueError, TypeError) as exc:
-            raise StoreError(f"{self.root / 'steps'}: {exc}") from None
+            raise StoreError(str(exc)) from None
         best: dict[tuple[Any, ...], StepRecord] = {}
         for r in number_steps(recs):
             key = (*r.key, r.begin_ns)

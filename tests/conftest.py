@@ -60,9 +60,22 @@ def kill_samplers(ray_cluster: None) -> Iterator[list]:
 def loopback(**kw):
     """SamplerOptions for tests: /metrics bound to 127.0.0.1 (Ray's node address here may be the
     machine's outward one; tests only ever talk to loopback)."""
-    from collector.placement import SamplerOptions
+    from collector.model.settings import SamplerOptions
 
     return SamplerOptions(metrics_addr="127.0.0.1", **kw)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A closed run store of the seed's 7B run (its records and samplers, no samples)."""
+    from collector.store import RunWriter
+    from tests.records import seed_doc, typed
+
+    doc = seed_doc()
+    w = RunWriter(tmp_path / "run", {"run_id": "run", "samplers": doc["samplers"]})
+    w.add_records(typed(doc["records"]))
+    w.close("complete")
+    return tmp_path / "run"
 
 
 # -- the fault table -----------------------------------------------------------------------------
@@ -78,6 +91,14 @@ def record_fault(request):
         _FAULTS.append({"fault": fault, "outcome": outcome, "test": request.node.nodeid, **figures})
 
     return record
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that records a fault-table row is marked ``fault``: ``benchmarks/faults.py`` runs
+    those (``-m fault``), wherever their component's file keeps them."""
+    for item in items:
+        if "record_fault" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.fault)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from collector.accounting import accounts, allocator_mode
-from collector.diagnosis import diagnose
+from collector.analysis.accounting import accounts, allocator_mode
+from collector.analysis.diagnosis import diagnose
 from tests.conftest import loopback
+from tests.records import typed
 
 GIB = 1 << 30
 HISTORY = (
@@ -19,7 +20,8 @@ HISTORY = (
 
 
 def _replay(capture: str, tmp_path: Path, result: bool = False):
-    from collector.run import JobOptions, run_job
+    from collector.model.settings import JobOptions
+    from collector.run import run_job
 
     opts = JobOptions(
         backend="replay",
@@ -33,18 +35,11 @@ def _replay(capture: str, tmp_path: Path, result: bool = False):
 
 
 def offline(capture: str) -> list:
-    """A committed capture's steps joined offline (:mod:`collector.offline`)."""
-    from collector.runs import load_run
+    """A committed capture's steps joined offline (:mod:`collector.analysis.offline`)."""
+    from collector.analysis.runs import load_run
 
     run = load_run(Path(__file__).parent.parent / "captures" / f"{capture}.capture.parquet")
     return run.streams[0].records
-
-
-def typed(recs: list[dict]) -> list:
-    """Records as the report reads them: checked, typed (:class:`StepRecord`)."""
-    from collector.runs import check_records
-
-    return check_records(recs, "records")
 
 
 def _identity_holds(recs: list[dict]) -> list:
@@ -69,24 +64,24 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     # where exactly: the capture joined offline; then the same through the live pipeline
     change = _change(diagnose(offline("outside")), "outside torch, this process")
     first, gone = change.numbers["changes"]
-    assert first["step"] == 3 and first["delta"] / GIB == pytest.approx(4.0, abs=0.05)
-    assert first["where"]["step"] == 3 and first["where"]["phase"] == "step"  # inside step 3
+    assert first.step == 3 and first.delta / GIB == pytest.approx(4.0, abs=0.05)
+    assert first.where.step == 3 and first.where.phase == "step"  # inside step 3
     # freed as step 6 begins. The capture has no sample between 1.8 ms before step 5's end mark
     # and 1.7 ms after it (its sampler waited on NVML there), and the one after already shows
     # the free: the replay, which plays only captured samples, cannot tell which side of the
     # mark it fell on, and the end reading takes the lower one (a release just before a mark
     # shows only after it). So: step 5's end, or between steps 5 and 6; never earlier.
-    assert gone["delta"] / GIB == pytest.approx(-4.0, abs=0.05)
-    assert (gone["where"]["step"], gone["where"]["phase"]) in {(5, "step"), (6, "between steps")}
-    assert all(c["component"] != "other processes" for c in change.numbers["changes"])
+    assert gone.delta / GIB == pytest.approx(-4.0, abs=0.05)
+    assert (gone.where.step, gone.where.phase) in {(5, "step"), (6, "between steps")}
+    assert all(c.component != "other processes" for c in change.numbers["changes"])
     res = _replay("outside", tmp_path, result=True)
     recs = typed(res.records)
     _identity_holds(recs)
     live = _change(diagnose(recs), "outside torch, this process").numbers["changes"]
-    assert live[0]["step"] in (3, 4) and live[0]["delta"] / GIB == pytest.approx(4.0, abs=0.05)
-    assert live[-1]["delta"] / GIB == pytest.approx(-4.0, abs=0.05)
+    assert live[0].step in (3, 4) and live[0].delta / GIB == pytest.approx(4.0, abs=0.05)
+    assert live[-1].delta / GIB == pytest.approx(-4.0, abs=0.05)
     # the live series (/metrics, remote write): the sampler's baseline so far, summing to NVML
-    from collector.export.values import step_values
+    from collector.model.series import step_values
 
     step3 = next(r for r in recs if r.step == 3)
     series = {
@@ -97,15 +92,14 @@ def test_memory_allocated_outside_torch_mid_run_is_found_at_its_step(ray_cluster
     assert series["outside_torch"] / GIB == pytest.approx(4.0, abs=0.05)
     assert sum(series.values()) == step3.nvml_end_bytes
     # the picture stacks the components and labels the change at its step
-    from collector.runs import load_run
-    from collector.store import RunStore
-    from collector.timeline import _panels, render_png
+    from collector.analysis.runs import load_run
+    from collector.analysis.timeline import _panels, render_png
 
-    (panel,) = _panels(load_run(res.store), RunStore(res.store))
-    assert panel["changes"][0]["step"] == 3
+    (panel,) = _panels(load_run(res.store))
+    assert panel["changes"][0].step == 3
     s3 = next(s for s in panel["steps"] if s["step"] == 3)
     assert sum(s3["account"].values()) == pytest.approx(s3["nvml_end"], abs=1e-6)
-    png = render_png(load_run(res.store), RunStore(res.store), tmp_path / "t.png")
+    png = render_png(load_run(res.store), tmp_path / "t.png")
     assert png.stat().st_size > 10_000
 
 
@@ -114,27 +108,27 @@ def test_a_second_process_on_the_gpu_is_named_when_it_comes_and_goes(ray_cluster
     # where exactly: the capture's own samples and snapshots, joined offline (what a replay
     # whose sampler kept every sample gives)
     cs = _change(diagnose(offline("neighbour")), "other processes").numbers["changes"]
-    assert [c["step"] for c in cs] == [3, 6]
-    assert cs[0]["delta"] / GIB == pytest.approx(2.6, abs=0.1) and cs[1]["delta"] < 0
-    assert "came" in cs[0]["who"][0] and "python -c" in cs[0]["who"][0]
-    assert "left" in cs[1]["who"][0]
-    assert cs[0]["where"]["step"] == 3 and cs[1]["where"]["step"] == 6
+    assert [c.step for c in cs] == [3, 6]
+    assert cs[0].delta / GIB == pytest.approx(2.6, abs=0.1) and cs[1].delta < 0
+    assert "came" in cs[0].who[0] and "python -c" in cs[0].who[0]
+    assert "left" in cs[1].who[0]
+    assert cs[0].where.step == 3 and cs[1].where.step == 6
     # through the live pipeline on this (maybe loaded) machine: a per-process reading that
     # moved with the next step is not used, so a change may be measured a step later; it is
     # found, named, and never placed before it happened
     recs = _replay("neighbour", tmp_path)
     _identity_holds(recs)
     cs = _change(diagnose(recs), "other processes").numbers["changes"]
-    assert cs[0]["step"] in (3, 4) and cs[-1]["step"] in (6, 7)
-    assert cs[0]["delta"] / GIB == pytest.approx(2.6, abs=0.1) and cs[-1]["delta"] < 0
-    assert "came" in cs[0]["who"][0] and "left" in cs[-1]["who"][0]
+    assert cs[0].step in (3, 4) and cs[-1].step in (6, 7)
+    assert cs[0].delta / GIB == pytest.approx(2.6, abs=0.1) and cs[-1].delta < 0
+    assert "came" in cs[0].who[0] and "left" in cs[-1].who[0]
 
 
 @pytest.mark.ray
 def test_caching_allocator_off_is_said(ray_cluster, tmp_path):
     recs = _replay("nocache", tmp_path)
     mode = allocator_mode(recs)
-    assert mode["caching_disabled"] and mode["from_environment"] and mode["stats_zero"]
+    assert mode.caching_disabled and mode.from_environment and mode.stats_zero
     fs = diagnose(recs)
     f = next(f for f in fs if f.rule == "allocator_mode")
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING" in f.text
@@ -166,7 +160,7 @@ def test_a_paged_optimizer_without_watch_is_memory_no_process_is_charged_for(ray
 
 
 def test_without_per_process_readings_nothing_outside_torch_is_named():
-    from collector.runs import load_run
+    from collector.analysis.runs import load_run
 
     run = load_run(
         Path(__file__).parent.parent / "benchmarks/results/h200-run2/adamw_8bit.records.json"
@@ -207,10 +201,10 @@ def test_a_reading_taken_after_the_next_step_allocated_is_not_split_and_changes_
     assert a2.unsplit is not None and "moved 300 MiB" in a2.unsplit_why
     for a in (a1, a2, a3):
         assert sum(a.components().values()) == a.device_used
-    from collector.accounting import changes
+    from collector.analysis.accounting import changes
 
     (c,) = changes([a1, a2, a3])
-    assert (c["component"], c["step"], c["since"], c["delta"]) == (
+    assert (c.component, c.step, c.since, c.delta) == (
         "outside torch, this process",
         3,
         1,
@@ -229,10 +223,10 @@ def test_a_change_before_the_first_split_step_is_still_found_unsplit():
         _rec(3, 7 * GIB, [[7, 6 * GIB, "train"]], 7 * GIB),
         _rec(4, 7 * GIB, [[7, 6 * GIB, "train"]], 7 * GIB),
     ]
-    from collector.accounting import changes
+    from collector.analysis.accounting import changes
 
     (c,) = changes(accounts(typed(recs)))
-    assert (c["component"], c["step"], c["since"], c["delta"]) == (
+    assert (c.component, c.step, c.since, c.delta) == (
         "outside torch (unsplit)",
         3,
         2,
@@ -243,7 +237,7 @@ def test_a_change_before_the_first_split_step_is_still_found_unsplit():
 def test_allocation_sites_from_the_h200_history():
     """The small paged run's history: bitsandbytes' init_state allocates in step 1 what is still
     live at the end of step 2; activations come from the Llama forward."""
-    from collector import history
+    from collector.analysis import history
 
     doc = history.summary(HISTORY)
     s1 = doc["steps"][0]
@@ -257,7 +251,7 @@ def test_allocation_sites_from_the_h200_history():
 
 
 def test_sites_are_the_innermost_frame_outside_torch():
-    from collector.history import NO_FRAMES, site_of, step_sites
+    from collector.analysis.history import NO_FRAMES, site_of, step_sites
 
     frame = lambda f, n, line: {"filename": f, "name": n, "line": line}  # noqa: E731
     bnb = [
@@ -288,8 +282,8 @@ def test_sites_are_the_innermost_frame_outside_torch():
 
 
 def test_the_report_lists_allocation_sites_of_a_store_with_history(tmp_path):
-    from collector.report import render_report
-    from collector.runs import load_run
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import load_run
 
     src = Path(__file__).parent.parent / "benchmarks/results/h200-accounting/runs/paged_nowatch"
     run_dir = tmp_path / "paged_nowatch"
@@ -319,7 +313,7 @@ def test_history_records_the_first_steps_and_the_step_after_a_jump(tmp_path, mon
 
     import torch
 
-    from collector import history
+    from collector.analysis import history
     from collector.probe.recording import HISTORY_AFTER_JUMP, HISTORY_JUMPS, AllocationHistory
 
     calls = []

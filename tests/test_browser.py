@@ -77,10 +77,10 @@ def _shot(page, tmp_path: Path, name: str) -> Path:
 
 
 def test_the_timeline_and_prometheus_graph_of_a_replayed_run_render(ray_cluster, browser, tmp_path):
-    from collector.run import JobOptions, run_job
-    from collector.runs import load_run
-    from collector.store import RunStore
-    from collector.timeline import render_html
+    from collector.analysis.runs import load_run
+    from collector.analysis.timeline import render_html
+    from collector.model.settings import JobOptions
+    from collector.run import run_job
 
     prom = Prometheus(tmp_path / "prom").start()
     pages: list = []
@@ -96,7 +96,7 @@ def test_the_timeline_and_prometheus_graph_of_a_replayed_run_render(ray_cluster,
             ),
             echo=lambda *a: None,
         )
-        html = render_html(load_run(res.store), RunStore(res.store), tmp_path / "timeline.html")
+        html = render_html(load_run(res.store), tmp_path / "timeline.html")
 
         # 1. the HTML timeline: every trace drawn, the 8 steps' peaks labelled
         page = _page(browser, pages)

@@ -2,52 +2,20 @@
 traceback; the main job runs the whole pipeline on the replay backend and says so first."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from collector.model.step import StepRecord
 from collector.replay import Capture, resolve_capture
-from collector.store import RunStore
-
-
-def stepmem(*args, timeout=240):
-    return subprocess.run(
-        [sys.executable, "-m", "collector.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def start_run(tmp_path, run_id, *args, **popen):
-    """`stepmem run ARGS` in a process of its own, its store in tmp_path/runs/RUN_ID; returned
-    once that store holds its first samples (at most 120 s)."""
-    import time
-
-    runs = tmp_path / "runs"
-    store = ("--store", str(runs), "--run-id", run_id)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collector.cli", "run", *args, *store], text=True, **popen
-    )
-    deadline = time.monotonic() + 120
-    while not list((runs / run_id / "samples").glob("*/part-*")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no samples in the run store within 120 s: {proc.communicate()}")
-        time.sleep(0.2)
-    return proc
-
-
-def one_line_error(res, *needles):
-    assert res.returncode == 2, res
-    assert "Traceback" not in res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+from collector.store import RunStore, RunWriter
+from tests.caps import stepped
+from tests.cli import bad_input, one_line_error, start_run, stepmem
+from tests.records import RECORDS
 
 
 @pytest.mark.parametrize(
@@ -126,7 +94,7 @@ def test_a_directory_that_is_not_a_run_and_a_corrupt_part_are_named(tmp_path, re
 
     w = RunWriter(tmp_path / "run", {"run_id": "run"})
     w.add_samples("GPU-a", [1, 2, 3], [10, 20, 30], [0, 0, 0])
-    w.add_records([{"gpu_uuid": "GPU-a", "step": 1, "begin_ns": 1, "end_ns": 3}])
+    w.add_records([StepRecord("GPU-a", 1, 1, 3, 0)])
     w.close()
     (part,) = (tmp_path / "run" / "steps").glob("*.parquet")
     part.write_bytes(part.read_bytes()[:100])
@@ -304,3 +272,195 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, reco
         samples_stored=len(store.samples(uuid)),
         samples_lost=store.meta.get("samples_lost"),
     )
+
+
+def test_an_existing_run_id_is_refused_and_the_old_run_is_untouched(tmp_path, record_fault):
+    old = tmp_path / "runs" / "x"
+    RunWriter(old, {"run_id": "x"}).close()
+    before = (old / "meta.json").read_bytes()
+    args = ["run", "--store", str(tmp_path / "runs"), "--run-id", "x", "--steps", "1"]
+    res = stepmem(*args)
+    bad_input(
+        record_fault,
+        ["run", "--store", "runs", "--run-id", "x"],
+        res,
+        "already exists",
+        str(old),
+        intact="the existing run's meta.json byte for byte the same",
+    )
+    assert (old / "meta.json").read_bytes() == before
+    assert sorted(p.name for p in old.iterdir()) == ["events", "meta.json", "samples", "steps"]
+
+
+@pytest.mark.parametrize("run_id", ["../escaped", "a/b", "/abs", ".", "..", "x" * 200])
+def test_a_run_id_that_is_not_a_plain_name_is_refused(tmp_path, run_id, record_fault):
+    (tmp_path / "runs").mkdir()
+    res = stepmem("run", "--store", str(tmp_path / "runs"), "--run-id", run_id)
+    line = one_line_error(res, "--run-id")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert list((tmp_path / "runs").iterdir()) == []
+    if run_id == "../escaped":
+        record_fault(
+            "bad input: stepmem run --run-id ../escaped",
+            f"{line} — nothing written inside or outside --store",
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["run", "--capture", "idle"], ["holds no step events"]),
+        (["run", "--backend", "nvml"], ["needs a GPU", "--backend replay"]),
+        (["run", "--metrics-port", "65535", "--gpus", "2"], ["65536", "65535"]),
+        (["run", "--metrics-addr", "no-such-host.invalid"], ["--metrics-addr", "does not resolve"]),
+        (["run", "--out", "/nonexistent/dir/r.json"], ["--out", "does not exist"]),
+        (["run", "--out", "/proc/r.json"], ["--out", "cannot write in /proc"]),
+        (["run", "--out", "/tmp"], ["--out", "is a directory"]),
+        (["run", "--gpus", "10000"], ["--gpus 10000", "at most 64"]),
+        (["run", "--speed", "1e-9"], ["--speed", "longest replay is one day"]),
+        (["run", "--workload", "spiky"], ["--workload", "--capture spiky"]),
+        (["run", "--", "--optim", "adamw_8bit"], ["workload arguments", "replay"]),
+        (["devices", "--backend", "nvml"], ["NVML"]),
+        (["daemon", "--gpus", "10000", "--backend", "replay"], ["at most 64"]),
+    ],
+)
+def test_checked_before_anything_starts(args, needles, record_fault):
+    res = stepmem(*args, timeout=60)
+    line = one_line_error(res, *needles)
+    record_fault(f"bad input: stepmem {' '.join(args)}", line)
+
+
+def test_a_bug_says_it_is_a_bug(monkeypatch, capsys):
+    from collector import cli
+
+    def broken(ns):
+        raise KeyError("internal")
+
+    from collector.cli.commands import COMMANDS
+
+    monkeypatch.setitem(COMMANDS, "dashboards", broken)
+    rc = cli.main(["dashboards", "--out", "/tmp/unused"])
+    err = capsys.readouterr().err
+    assert rc == cli.EXIT_BUG and "Traceback" in err and "this is a bug in stepmem" in err
+
+
+def test_the_default_store_outlives_a_submitted_jobs_working_directory(tmp_path, monkeypatch):
+    from collector.cli.files import default_store
+
+    for var in ("STEPMEM_STORE", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert default_store() == Path("runs")  # a plain run: here
+    # `ray job submit` runs the entrypoint in a copy of the working dir that Ray deletes
+    copy_dir = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "pkg"
+    copy_dir.mkdir(parents=True)
+    monkeypatch.chdir(copy_dir)
+    assert default_store() == tmp_path / "home" / "stepmem-runs"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # set by Ray for a submitted job
+    assert default_store() == tmp_path / "home" / "stepmem-runs"
+    monkeypatch.setenv("STEPMEM_STORE", str(tmp_path / "mine"))  # the user's choice wins
+    assert default_store() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["run", "--rate", "1e-300"], ["--rate", "below 0.1 Hz"]),
+        (["run", "--speed", "1e300"], ["--speed", "at most 1e+09"]),
+        (["run", "--window", "1e300"], ["--window", "at most 86400"]),
+        (["daemon", "--rescan", "1e300"], ["--rescan", "at most 86400"]),
+        (["compare", str(RECORDS), str(RECORDS), "--tolerance", "5"], ["500 %", "5%"]),
+        (["run", "--remote-write", "http://alice:secret@127.0.0.1:9/w"], ["holds credentials"]),
+    ],
+)
+def test_flags_out_of_any_sane_range_are_one_line(args, needles, record_fault):
+    line = one_line_error(stepmem(*args, timeout=60), *needles)
+    assert "secret" not in line
+    record_fault(
+        f"bad input: stepmem {' '.join(a if a != str(RECORDS) else 'R.json' for a in args)}", line
+    )
+
+
+def test_tolerance_as_a_percentage(tmp_path):
+    res = stepmem("compare", str(RECORDS), str(RECORDS), "--tolerance", "5%")
+    assert res.returncode == 0 and "No peak grew by more than 5 %" in res.stdout
+
+
+def test_a_garbage_ray_address_is_one_line(record_fault):
+    env = {**os.environ, "RAY_ADDRESS": "garbage:::1"}
+    res = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "run", "--no-store", "--steps", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    line = one_line_error(res, "garbage:::1")
+    record_fault("bad input: RAY_ADDRESS=garbage:::1 stepmem run", line)
+
+
+def test_an_output_never_overwrites_an_input(tmp_path, run_dir, record_fault):
+    base = tmp_path / "base.json"
+    base.write_text(RECORDS.read_text())
+    cap = stepped([1, 2]).save(tmp_path / "x.capture.parquet")
+    meta = str(run_dir / "meta.json")
+    cases = {
+        "report RUN --out RUN/meta.json": ["report", str(run_dir), "--out", meta],
+        "compare BASE NEW --markdown BASE": ["compare", str(base), str(RECORDS), "--markdown",
+                                             str(base)],
+        "run --capture X --out X": ["run", "--no-store", "--capture", str(cap), "--out", str(cap)],
+        "baseline R --out R": ["baseline", str(base), "--out", str(base), "--workload", "x"],
+    }  # fmt: skip
+    before = {p: p.read_bytes() for p in (run_dir / "meta.json", base, cap)}
+    for what, args in cases.items():
+        line = one_line_error(stepmem(*args, timeout=60), "input of this command")
+        record_fault(f"bad input: stepmem {what}", f"{line} — the input byte for byte the same")
+    assert {p: p.read_bytes() for p in before} == before
+
+
+@pytest.mark.parametrize(
+    ("what", "args", "needle"),
+    [
+        ("report --out into a folder that cannot be written", ["--out", "/proc/r.txt"],
+         "cannot write in /proc"),
+        ("report --png into a missing folder", ["--png", "{tmp}/nodir/r.png"], "does not exist"),
+        ("report --html into a missing folder", ["--html", "{tmp}/nodir/r.html"], "does not exist"),
+        ("report --png ending in /", ["--png", "{tmp}/new.png/"], "is a directory"),
+    ],
+)  # fmt: skip
+def test_report_outputs_that_cannot_be_written_are_one_line_before_any_work(
+    tmp_path, run_dir, what, args, needle, record_fault
+):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    res = stepmem("report", str(run_dir), *args)
+    line = one_line_error(res, needle)
+    assert res.stdout == ""  # refused before the report was computed
+    assert not (tmp_path / "new.png").exists()
+    record_fault(f"bad input: stepmem {what}", line)
+
+
+@pytest.mark.parametrize(
+    ("what", "args", "needle"),
+    [
+        ("compare --markdown into a missing folder",
+         ["compare", str(RECORDS), str(RECORDS), "--markdown", "{tmp}/nodir/c.md"],
+         "does not exist"),
+        ("baseline --out into a folder that cannot be written",
+         ["baseline", str(RECORDS), "--out", "/proc/b.yml", "--workload", "x"],
+         "cannot write in /proc"),
+        ("dashboards --out into a folder that cannot be written",
+         ["dashboards", "--out", "/proc/dash"], "--out"),
+        ("dashboards --out onto a file", ["dashboards", "--out", "{tmp}/f"], "is a file"),
+        ("run --targets into a folder that cannot be written",
+         ["run", "--no-store", "--targets", "/proc/t.json"], "cannot write in /proc"),
+        ("capture -- a command that does not exist",
+         ["capture", "--backend", "replay", "--out", "{tmp}/c.capture.parquet", "--",
+          "/nonexistent/cmd"], "no such file"),
+    ],
+)  # fmt: skip
+def test_other_outputs_and_commands_that_cannot_be_used_are_one_line(
+    tmp_path, what, args, needle, record_fault
+):
+    (tmp_path / "f").write_text("a file")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    line = one_line_error(stepmem(*args, timeout=60), needle)
+    record_fault(f"bad input: stepmem {what}", line)

@@ -6,9 +6,9 @@ import json
 import pytest
 import ray
 
+from collector.backends import BackendSpec
 from collector.daemon import run_daemon, stop_daemon
 from collector.lookup import SamplerLookup, list_samplers
-from collector.placement import BackendSpec
 from tests.conftest import loopback
 
 pytestmark = pytest.mark.ray
@@ -41,7 +41,7 @@ def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluste
         assert list_samplers() == names
         uuid = entries[0]["labels"]["gpu_uuid"]
         handle = SamplerLookup().find(uuid)  # what a job's probe does
-        assert handle is not None and ray.get(handle.info.remote())["gpu_uuid"] == uuid
+        assert handle is not None and ray.get(handle.info.remote()).gpu_uuid == uuid
     finally:
         stopped = stop_daemon(echo=lambda *a: None)
     assert stopped == 2 and list_samplers() == []
@@ -50,7 +50,8 @@ def test_daemon_places_detached_samplers_and_rescans_without_doubling(ray_cluste
 def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster, tmp_path):
     """A run places samplers of its own (its data never mixes with the daemon's or another
     run's), removes them at its end, and never stops the daemon's."""
-    from collector.run import JobOptions, run_job
+    from collector.model.settings import JobOptions
+    from collector.run import run_job
 
     spec = BackendSpec("replay", captures=["adamw_8bit"], gpus=1)
     try:
@@ -69,7 +70,7 @@ def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster,
             ),
             echo=lambda *a: None,
         ).records
-        assert [r["step"] for r in records] == [1, 2]
+        assert [r.step for r in records] == [1, 2]
         handle = ray.get_actor(name, namespace="stepmem")
         assert list_samplers() == [name]  # the run's own are gone with it
         health = ray.get(handle.health.remote())

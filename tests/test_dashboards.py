@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from collector.backends import BackendSpec
 from collector.dashboards import DASHBOARDS, build_all, expressions
-from collector.estimate import load_estimate
 from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig
 from collector.metrics import METRICS
-from collector.placement import BackendSpec, launch_samplers
-from collector.records import ESTIMATE_KEY
+from collector.model.prediction import load_estimate
+from collector.placement import launch_samplers
 from collector.replay import Capture, resolve_capture
 from tests.conftest import loopback, wait_for
 from tests.prom import Prometheus
-from tests.test_placement import replay_steps
-from tests.test_rules import RULES_DIR, metric_names
+from tests.promql import RULES_DIR, metric_names
+from tests.replays import replay_steps
 
 pytest.importorskip("grafana_foundation_sdk")
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -109,10 +109,7 @@ def test_every_panel_query_returns_data_from_a_replay_run(kill_samplers, tmp_pat
         cap = Capture.load(resolve_capture("adamw_8bit"))
         # as a probe given the committed estimate of this run (STEPMEM_ESTIMATE) sends them
         peak = load_estimate(ESTIMATE).peak
-        cap.events = [
-            dict(e, ledger={**e["ledger"], ESTIMATE_KEY: peak}) if e.get("ledger") else e
-            for e in cap.events
-        ]
+        cap.events = [dict(e, estimate_peak=peak) if e.get("ledger") else e for e in cap.events]
         rw = RemoteWriteConfig(url=f"{prom.url}/api/v1/write", flush_interval_s=0.2)
         speed = 4.0
         placed = launch_samplers(

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from collector.diagnosis import contradictions, diagnose, verdict
-from collector.diagnosis.kinds import GIB, MIB
-from collector.history import site_of
-from collector.records import Stat
+from collector.analysis.diagnosis import contradictions, diagnose, verdict
+from collector.analysis.history import site_of
+from collector.analysis.runs import check_records, load_run
+from collector.model.records import ProcessMemory, Stat
+from collector.model.units import GIB, MIB
 from collector.replay import Capture
-from collector.runs import check_records, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,12 +39,13 @@ def test_an_old_capture_without_the_probes_pid_still_splits_what_lies_outside_to
     assert "charged to no process" in nontorch.text and "cannot be split" not in nontorch.text
     assert "the probe did not name it" in nontorch.text
     # two processes that each could hold the pool: not guessed
-    from collector.accounting import identify_process
+    from collector.analysis.accounting import identify_process
 
     recs = [dataclasses.replace(r) for r in stream.records]
     for r in recs:
-        procs = r.processes.get("procs") or []
-        r.processes = {**r.processes, "procs": [*procs, [99, 64 * GIB, "other"]]}
+        if r.processes is not None:
+            other = ProcessMemory(99, 64 * GIB, "other")
+            r.processes = dataclasses.replace(r.processes, procs=[*r.procs, other])
     assert identify_process(recs) == (None, "ambiguous")
 
 
@@ -145,9 +146,10 @@ def test_every_committed_report_leads_with_a_verdict_that_agrees_with_its_findin
     state that made its jump."""
     run = load_run(ROOT / "benchmarks/results/h200-cases/runs/h200-keep-logits")
     (stream,) = run.streams
-    from collector.report import _history
+    from collector.analysis.report import _history
 
-    fs = diagnose(stream.records, run.totals[stream.gpu_uuid], _history(run))
+    sites = {s["step"]: s for s in _history(run)["steps"]}
+    fs = diagnose(stream.records, run.totals[stream.gpu_uuid], sites)
     (head, *_rest) = verdict(fs)
     assert head.startswith("Leaking: live tensors grow 252 MiB a step")
     assert "workloads/cases.py:68 (run) → transformers/" in head

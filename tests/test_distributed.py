@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from collector.store import RunStore
-from tests.test_cli import stepmem
+from tests.cli import stepmem
+from tests.records import typed
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -195,14 +196,14 @@ def _ranks(n: int, odd: int | None = None, extra: int = 0) -> list[dict]:
 
 
 def _fleet(n, **kw):
-    from collector.report import render_report
-    from collector.runs import Run
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
 
     doc = json.loads((ROOT / "benchmarks/results/h200-run2/adamw_8bit.records.json").read_text())
     (s,) = doc["samplers"]
     samplers = [{**s, "gpu_uuid": f"GPU-{r}", "index": r % 8, "node_id": f"node-{r // 8}"}
                 for r in range(n)]  # fmt: skip
-    text, _ = render_report(Run("fleet", {"samplers": samplers}, _ranks(n, **kw)))
+    text, _ = render_report(Run("fleet", {"samplers": samplers}, typed(_ranks(n, **kw))))
     return text[text.index("Fleet —") :]
 
 
@@ -231,12 +232,12 @@ def test_the_fleet_of_64_ranks_stays_readable():
 
 
 def test_ranks_that_disagree_on_the_world_size_are_said():
-    from collector.report import render_report
-    from collector.runs import Run
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
 
     recs = _ranks(2)
     for x in recs:
         if x["rank"] == 1:
             x["world_size"] = 4
-    text, _ = render_report(Run("w", {"samplers": []}, recs))
+    text, _ = render_report(Run("w", {"samplers": []}, typed(recs)))
     assert "do not agree on the world size (2, 4)" in text

@@ -11,18 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from collector.estimate import (
-    CATEGORIES,
-    Estimate,
-    EstimateError,
-    Spec,
-    _bnb_stand_in,
-    estimate,
-    load_estimate,
-    reconcile,
-    render,
-)
-from collector.runs import load_run
+from collector.analysis.reconcile import reconcile
+from collector.analysis.runs import load_run
+from collector.estimate import Spec, estimate, render
+from collector.estimate.build import _bnb_stand_in
+from collector.model.errors import EstimateError
+from collector.model.kinds import ESTIMATE_KINDS as CATEGORIES
+from collector.model.prediction import Estimate, load_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "captures"
@@ -183,7 +178,7 @@ class _Gate(torch.nn.Module):
 
 def test_an_untraceable_model_names_the_module_and_estimates_the_rest(record_fault):
     est = estimate(
-        Spec(size="tiny", optim="adamw_torch", seq_len=8, checkpointing=False), build=_Picky
+        Spec(size="tiny", optim="adamw_torch", seq_len=8, checkpointing=False), build_model=_Picky
     )
     assert est.stopped_at == "gate (_Gate)"
     assert any("gate (_Gate) could not be traced" in n for n in est.notes)
@@ -297,10 +292,11 @@ def test_a_probe_given_an_estimate_sends_it_beside_the_ledger(tmp_path, monkeypa
     """STEPMEM_ESTIMATE: every end event carries the predicted peak with the ledger; it becomes
     stepmem_step_estimate_peak_bytes (not a ledger kind) and the tracker key
     stepmem/estimate_peak_gib."""
-    from collector.export.values import step_values
-    from collector.probe.core import Outbox, StepProbe
-    from collector.records import ESTIMATE_KEY, StepRecord
-    from tests.test_probe import plain_loop
+    from collector.model.series import step_values
+    from collector.model.step import StepRecord
+    from collector.probe.core import StepProbe
+    from collector.probe.outbox import Outbox
+    from tests.loops import plain_loop
 
     est = estimate(Spec(size="tiny", seq_len=64))
     path = tmp_path / "est.json"
@@ -310,20 +306,46 @@ def test_a_probe_given_an_estimate_sends_it_beside_the_ledger(tmp_path, monkeypa
     assert probe.estimate_peak == est.peak
     plain_loop(probe, steps=2)
     ends = [e for e in probe.outbox.events if e["kind"] == "end"]
-    assert [e["ledger"][ESTIMATE_KEY] for e in ends] == [est.peak, est.peak]
+    # the prediction is a field of its own, never a key in the ledger of measured bytes
+    assert [e["estimate_peak"] for e in ends] == [est.peak, est.peak]
+    assert not [e for e in ends if "estimate_peak" in e["ledger"]]
     assert probe.metrics()["stepmem/estimate_peak_gib"] == est.peak / (1 << 30)
     rec = StepRecord(
-        gpu_uuid="GPU-x", step=1, begin_ns=1, end_ns=2, samples=0, ledger=dict(ends[0]["ledger"])
+        gpu_uuid="GPU-x",
+        step=1,
+        begin_ns=1,
+        end_ns=2,
+        samples=0,
+        ledger=dict(ends[0]["ledger"]),
+        estimate_peak_bytes=ends[0]["estimate_peak"],
     )
-    assert rec.estimate_peak == est.peak
     vals = step_values(rec)
     assert ("stepmem_step_estimate_peak_bytes", {"rank": "0"}, est.peak) in vals
     assert not [v for v in vals if v[0] == "stepmem_step_ledger_bytes" and "estimate" in str(v)]
 
 
+def test_records_and_events_that_kept_the_prediction_in_their_ledger_still_read():
+    """Stores and captures written before ``estimate_peak`` was a field kept it as a ledger key:
+    read, it becomes the field and leaves the ledger of measured bytes."""
+    from collector.model.records import StepEvent
+    from collector.model.step import StepRecord
+
+    old = {"parameters": 100, "estimate_peak": 4096}
+    rec = StepRecord.from_untrusted(
+        {"gpu_uuid": "GPU-x", "step": 1, "begin_ns": 1, "end_ns": 2, "samples": 0, "ledger": old},
+        "an old record",
+    )
+    assert rec.estimate_peak_bytes == 4096 and rec.ledger == {"parameters": 100}
+    ev = StepEvent.from_dict(
+        {"kind": "end", "step": 1, "t_ns": 5, "gpu_uuid": "GPU-x", "ledger": dict(old)}
+    )
+    assert ev.estimate_peak == 4096 and ev.ledger == {"parameters": 100}
+
+
 def test_an_unreadable_estimate_costs_the_training_nothing_and_is_counted(tmp_path, monkeypatch):
-    from collector.probe.core import Outbox, StepProbe
-    from tests.test_probe import plain_loop
+    from collector.probe.core import StepProbe
+    from collector.probe.outbox import Outbox
+    from tests.loops import plain_loop
 
     bad = tmp_path / "est.json"
     bad.write_text("{torn")

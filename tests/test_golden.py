@@ -4,8 +4,8 @@ test reads them all. A capture is reported as ``stepmem report X.capture.parquet
 samples and step events joined offline through the sampler's own join.
 
 Besides each file's expectations, every report must hold what the diagnosis promises: no two
-findings of a stream that disagree (:func:`collector.diagnosis.contradictions`), a verdict of one
-to three lines, findings of at most two lines, and no negative memory figure anywhere.
+findings of a stream that disagree (``diagnosis.contradictions``), a verdict of one to three
+lines, findings of at most two lines, and no negative memory figure anywhere.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collector.diagnosis import contradictions, verdict
-from collector.report import render_report
-from collector.runs import load_run
+from collector.analysis.diagnosis import contradictions, verdict
+from collector.analysis.report import render_report
+from collector.analysis.runs import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = sorted((Path(__file__).parent / "golden" / "cases").glob("*.yml"))

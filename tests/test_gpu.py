@@ -36,7 +36,8 @@ def test_cuda_and_nvml_agree_on_the_uuid():
 
 def test_probe_reads_allocator_statistics_on_cuda():
     torch = pytest.importorskip("torch")
-    from collector.probe.core import TORCH_KEYS, Outbox, StepProbe
+    from collector.probe.core import TORCH_KEYS, StepProbe
+    from collector.probe.outbox import Outbox
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")

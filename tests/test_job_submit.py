@@ -4,6 +4,7 @@ replayed run, a real Prometheus scraping the samplers through the job's file_sd 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.runs import load_run
+from collector.analysis.runs import load_run
 from tests.prom import Prometheus, free_port, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,11 +86,16 @@ def ray_head():
             pytest.fail("the Ray head's job server did not answer within 90 s")
         yield address, env, f"127.0.0.1:{ports['--port']}"
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # --block: the head stops its processes
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        # --block: the head stops its processes on SIGINT; one that does not within 10 s (a
+        # loaded machine) gets SIGTERM, then SIGKILL — its session's processes all go with it
+        for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
         # `ray start` names its head in /tmp/ray/ray_current_cluster, and a stopped head stays

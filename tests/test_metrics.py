@@ -7,47 +7,16 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from collector.export.prometheus import SamplerCollector, Snapshot
-from collector.export.values import step_values
-from collector.metrics import METRICS, PUSHED, Metric, by_name
+from collector.metrics import METRICS, PUSHED, by_name
+from collector.model.series import Metric, step_values
+from collector.model.step import StepRecord
 from tests.prom import CONFIG, require
+from tests.records import step_record as record
+from tests.records import step_record_data
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 LABELS = {"node": "n1", "gpu": "0", "gpu_uuid": "GPU-abc", "run": "r1", "workload": "w"}
 GIB = 1 << 30
-
-
-def record():
-    return {
-        "gpu_uuid": "GPU-abc",
-        "step": 7,
-        "begin_ns": 1_000_000_000,
-        "end_ns": 2_500_000_000,
-        "samples": 1500,
-        "nvml_peak_bytes": 82 * GIB,
-        "nvml_peak_t_ns": 2_000_000_000,
-        "nvml_min_bytes": 80 * GIB,
-        "nvml_end_bytes": 81 * GIB,
-        "nvml_reserved_bytes": 615 << 20,
-        "gap": "",
-        "torch_allocated_peak_bytes": 79 * GIB,
-        "torch_reserved_peak_bytes": 80 * GIB,
-        "torch_begin": {},
-        "torch_end": {
-            "allocated_bytes.all.current": 38 * GIB,
-            "reserved_bytes.all.current": 80 * GIB,
-            "context_baseline_bytes": 600 << 20,
-            "num_alloc_retries": 2,
-            "num_ooms": 0,
-        },
-        "phases": [],
-        "ledger": {
-            "parameters": 25 * GIB,
-            "gradients": 0,
-            "optimizer_state": 13 * GIB,
-            "optimizer_state_managed": 0,
-            "other_allocated": GIB,
-        },
-    }
 
 
 def snapshot(**kw):
@@ -96,9 +65,14 @@ def test_values_are_read_at_scrape_time():
 
 
 def test_ranks_sharing_a_gpu_each_have_their_series():
-    two = [{**record(), "rank": 0, "pid": 10}, {**record(), "rank": 1, "pid": 11, "step": 9}]
+    two = [
+        StepRecord.from_dict({**step_record_data(), "rank": 0, "world_size": 2, "pid": 10}),
+        StepRecord.from_dict(
+            {**step_record_data(), "rank": 1, "world_size": 2, "pid": 11, "step": 9}
+        ),
+    ]
     reg = registry_with(snapshot(last_records=two))
-    assert reg.get_sample_value("stepmem_step", {**LABELS, "rank": "0"}) == record()["step"]
+    assert reg.get_sample_value("stepmem_step", {**LABELS, "rank": "0"}) == record().step
     assert reg.get_sample_value("stepmem_step", {**LABELS, "rank": "1"}) == 9
 
 
@@ -118,7 +92,13 @@ def test_every_exported_family_is_in_the_table():
 def test_pushed_and_step_series_are_in_the_table():
     for name in PUSHED:
         assert by_name(name).type == "gauge"
-    assert {name for name, _, _ in step_values(record())} <= set(PUSHED)
+    assert {name for name, _, _ in step_values(record(), pushed_only=True)} <= set(PUSHED)
+    pull_only = {name for name, _, _ in step_values(record())} - set(PUSHED)
+    assert pull_only == {
+        "stepmem_step_gap",
+        "stepmem_torch_alloc_retries_total",
+        "stepmem_torch_ooms_total",
+    }
     with pytest.raises(KeyError, match="not in stepmem's metric table"):
         by_name("stepmem_made_up_bytes")
 

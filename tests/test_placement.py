@@ -5,12 +5,14 @@ import time
 import pytest
 import ray
 
-from collector.errors import StepmemError
+from collector.backends import BackendSpec
 from collector.lookup import NAMESPACE, SamplerLookup, list_samplers, sampler_name
-from collector.placement import BackendSpec, launch_samplers
+from collector.model.errors import StepmemError
+from collector.model.settings import Sampling
+from collector.placement import launch_samplers
 from collector.replay import Capture, resolve_capture
-from collector.settings import Sampling
 from tests.conftest import loopback, wait_for
+from tests.replays import replay_steps
 
 pytestmark = pytest.mark.ray
 
@@ -24,19 +26,19 @@ def test_one_actor_per_simulated_gpu_named_by_uuid_and_launch_is_idempotent(kill
     assert len(placed) == 3 and len({p.gpu_uuid for p in placed}) == 3
     for p in placed:  # this job's own: another job (another run) places its own
         assert p.name == sampler_name(job, node, p.gpu_uuid) == f"stepmem:{job}:{node}:{p.gpu_uuid}"
-        assert p.info["backend"] == "replay" and p.info["node_id"] == node
+        assert p.info.backend == "replay" and p.info.node_id == node
     again = launch_samplers(spec, loopback())
     assert {p.name for p in again} == {p.name for p in placed}
     assert [n for n in list_samplers() if n in {p.name for p in placed}] == sorted(
         p.name for p in placed
     )
-    pids = {p.info["pid"] for p in placed}
-    assert {p.info["pid"] for p in again} == pids  # the same actors, not new ones
+    pids = {p.info.pid for p in placed}
+    assert {p.info.pid for p in again} == pids  # the same actors, not new ones
     assert len(pids) == 3
     lookup = SamplerLookup()
     handle = lookup.find(placed[0].gpu_uuid)
     assert handle is not None and lookup.find(placed[0].gpu_uuid) is handle  # cached
-    assert ray.get(handle.info.remote())["gpu_uuid"] == placed[0].gpu_uuid
+    assert ray.get(handle.info.remote()).gpu_uuid == placed[0].gpu_uuid
     assert ray.get_actor(placed[1].name, namespace=NAMESPACE) is not None
 
 
@@ -51,24 +53,6 @@ def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
         pytest.skip("this machine has GPUs")
     with pytest.raises(StepmemError, match="no GPU found on any alive Ray node"):
         launch_samplers(BackendSpec("nvml"), loopback())
-
-
-def replay_steps(placed, cap: Capture, steps: int, speed: float) -> None:
-    """Start the samplers' replay 0.3 s from now and send the capture's recorded step events of
-    the first `steps` steps at their times on that replay clock."""
-    first = min(e["t_ns"] for e in cap.events)
-    origin = time.monotonic_ns() + 300_000_000 - int(first / speed)
-    ray.get([p.handle.replay_from.remote(origin) for p in placed])
-    plan = []
-    for e in cap.events:
-        if e["step"] <= steps:
-            plan.append(dict(e, t_ns=origin + int(e["t_ns"] / speed)))
-    for e in sorted(plan, key=lambda e: e["t_ns"]):
-        delay = (e["t_ns"] - time.monotonic_ns()) / 1e9
-        if delay > 0:
-            time.sleep(delay)
-        for p in placed:
-            p.handle.record_events.remote([dict(e, gpu_uuid=p.gpu_uuid)])
 
 
 @pytest.mark.parametrize(
@@ -88,18 +72,18 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
     ends = {e["step"]: e["t_ns"] for e in cap.events if e["kind"] == "end"}
     for p in placed:
         records = ray.get(p.handle.step_records.remote())
-        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        assert [r.step for r in records] == list(range(1, steps + 1))
         for r in records:
-            expected = cap.max_in_force(begins[r["step"]], ends[r["step"]])
+            expected = cap.max_in_force(begins[r.step], ends[r.step])
             # a loaded CI box may delay the thread: flagged, never hidden
-            flags = set(r["gap"].split())
+            flags = set(r.gap.split())
             assert flags <= {"stall", "undersampled", "stale_end"}, r
             if "undersampled" in flags:  # a starved sampler may miss a transient, never add one
-                assert r["nvml_peak_bytes"] <= expected, (r["step"], r["nvml_peak_bytes"])
+                assert r.nvml_peak_bytes <= expected, (r.step, r.nvml_peak_bytes)
             else:
-                assert r["nvml_peak_bytes"] == expected, (r["step"], r["nvml_peak_bytes"], expected)
-            assert r["torch_end"] == next(
-                e["torch"] for e in cap.events if e["kind"] == "end" and e["step"] == r["step"]
+                assert r.nvml_peak_bytes == expected, (r.step, r.nvml_peak_bytes, expected)
+            assert r.torch_end == next(
+                e["torch"] for e in cap.events if e["kind"] == "end" and e["step"] == r.step
             )
         health = ray.get(p.handle.health.remote())
         assert health["events_rejected"] == {} and health["errors"] == {}
@@ -141,7 +125,7 @@ def test_a_relaunched_sampler_is_found_again_after_the_handle_ttl(kill_samplers)
     time.sleep(0.3)
     new = find_sampler(second.gpu_uuid)
     assert new._actor_id != old._actor_id
-    assert ray.get(new.info.remote())["pid"] == second.info["pid"]
+    assert ray.get(new.info.remote()).pid == second.info.pid
 
 
 def test_a_metrics_port_base_gives_gpu_i_port_base_plus_i(kill_samplers):
@@ -160,5 +144,5 @@ def test_a_metrics_port_base_gives_gpu_i_port_base_plus_i(kill_samplers):
         BackendSpec("replay", captures=["idle"], gpus=2), loopback(metrics_port=base)
     )
     kill_samplers.extend(p.handle for p in placed)
-    ports = {p.info["index"]: p.info["metrics_port"] for p in placed}
+    ports = {p.info.index: p.info.metrics_port for p in placed}
     assert ports == {0: base, 1: base + 1}

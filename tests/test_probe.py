@@ -8,7 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from collector.probe.core import LedgerCache, Outbox, StepProbe, ledger  # noqa: E402
+from collector.probe.core import StepProbe  # noqa: E402
+from collector.probe.ledger import LedgerCache, ledger  # noqa: E402
+from collector.probe.outbox import Outbox  # noqa: E402
+from tests.loops import lightning_fit, plain_loop  # noqa: E402
 from workloads import finetune  # noqa: E402
 
 
@@ -16,24 +19,6 @@ def tiny_args(steps=3):
     return finetune.defaults(
         finetune.parser().parse_args(["--size", "tiny", "--steps", str(steps)])
     )
-
-
-def plain_loop(probe: StepProbe, steps: int = 3, accum: int = 2):
-    model = finetune.build_model("tiny", 64, None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    probe.watch(model, opt)
-    data = finetune.SyntheticTokens(steps * accum, 64, finetune.SHAPES["tiny"]["vocab_size"])
-    for step in range(1, steps + 1):
-        with probe.step(step):
-            for k in range(accum):
-                batch = data[(step - 1) * accum + k]
-                out = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None])
-                out.loss.backward()
-            probe.phase("optimizer")
-            opt.step()
-            opt.zero_grad()
-    probe.close()
-    return model, opt
 
 
 def test_hf_trainer_gives_one_record_per_step_per_device():
@@ -165,39 +150,6 @@ def test_ledger_cache_redoes_the_full_pass_only_when_state_appears():
     assert cache.full_passes == 3
 
 
-def lightning_fit(callback, batches: int, **trainer_kw) -> None:
-    """One Lightning epoch of the tiny model over `batches` batches on the CPU, with `callback`."""
-    import lightning as L
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = finetune.build_model("tiny", 32, None)
-
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            loss = self.model(input_ids=ids, labels=ids).loss
-            self.log("loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    ids = torch.randint(0, finetune.SHAPES["tiny"]["vocab_size"], (batches, 32))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=1)
-    trainer_kw.setdefault("logger", False)
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **trainer_kw,
-    )
-    trainer.fit(Tiny(), loader)
-
-
 def test_lightning_adapter_gives_the_same_record_shape():
     pytest.importorskip("lightning")
     from collector.probe.lightning import StepMemLightningCallback
@@ -215,8 +167,8 @@ def test_lightning_adapter_gives_the_same_record_shape():
 
 
 def test_the_outbox_keeps_a_bounded_number_of_events(monkeypatch):
+    from collector.model.records import StepEvent
     from collector.probe import outbox
-    from collector.records import StepEvent
 
     monkeypatch.setattr(outbox, "EVENTS_KEPT", 10)
     box = Outbox(None)
@@ -239,7 +191,7 @@ def test_a_step_that_raises_is_recorded_as_failed_and_the_error_goes_on():
 
 
 def test_a_workload_that_dies_fails_the_job_with_the_step_named():
-    from collector.run import JobOptions
+    from collector.model.settings import JobOptions
     from collector.runners import LiveRunner
 
     ob = Outbox(lambda uuid: None, flush_interval_s=0.01)
@@ -271,7 +223,7 @@ def test_a_workload_that_dies_fails_the_job_with_the_step_named():
 def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
     """`stepmem run --script train.py -- ARGS`: the script runs as __main__ with its argv, its
     own probe (the three lines a user adds) takes its steps; a non-zero exit fails the job."""
-    from collector.run import JobOptions
+    from collector.model.settings import JobOptions
     from collector.runners import ScriptRunner
 
     script = tmp_path / "train.py"

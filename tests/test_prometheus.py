@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
 import pytest
 import ray
 
+from collector.backends import BackendSpec
 from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig, RemoteWriter
-from collector.placement import BackendSpec, launch_samplers
-from collector.probe.core import Outbox, StepProbe
+from collector.model.settings import Sampling
+from collector.placement import launch_samplers
+from collector.probe.core import StepProbe
+from collector.probe.outbox import Outbox
 from collector.replay import Capture, resolve_capture
-from collector.settings import Sampling
+from tests.cli import one_line_error, stepmem
 from tests.conftest import loopback, wait_for
 from tests.prom import Prometheus, free_port, require
 
@@ -32,7 +37,7 @@ def prom(tmp_path_factory):
 
 
 def metrics_text(info) -> str:
-    url = f"http://{info['metrics_addr']}:{info['metrics_port']}/metrics"
+    url = f"http://{info.metrics_addr}:{info.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
 
@@ -51,7 +56,7 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
         ),
     )
     kill_samplers.extend(p.handle for p in placed)
-    assert all(p.info["metrics_addr"] == "127.0.0.1" for p in placed)  # the node's address
+    assert all(p.info.metrics_addr == "127.0.0.1" for p in placed)  # the node's address
     refresher = TargetsRefresher(
         prom.targets / "stepmem.json", [p.handle for p in placed], interval_s=1.0
     )
@@ -67,7 +72,7 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
                 time.sleep(0.005)
         probe.close()
         wait_for(lambda: len(ray.get(gpu.handle.step_records.remote())) == steps, timeout=30)
-        records = {r["step"]: r for r in ray.get(gpu.handle.step_records.remote())}
+        records = {r.step: r for r in ray.get(gpu.handle.step_records.remote())}
         sel = f'job="stepmem-steps", gpu_uuid="{gpu.gpu_uuid}"'
         wait_for(
             lambda: prom.scalar(f"count_over_time(stepmem_step{{{sel}}}[10m])") == steps, timeout=30
@@ -78,17 +83,17 @@ def test_scraped_and_pushed_steps_land_in_prometheus(prom, kill_samplers, tmp_pa
         step_at = {ts: int(float(v)) for ts, v in step_series["values"]}
         peak_at = {ts: int(float(v)) for ts, v in peak_series["values"]}
         assert sorted(step_at.values()) == list(range(1, steps + 1))
-        offset = gpu.info["wall_offset_ns"]
+        offset = gpu.info.wall_offset_ns
         for ts, step in step_at.items():
             rec = records[step]
-            if rec["nvml_peak_bytes"] is None:  # no sample inside the step: no series, never 0
+            if rec.nvml_peak_bytes is None:  # no sample inside the step: no series, never 0
                 assert ts not in peak_at
                 continue
-            assert peak_at[ts] == rec["nvml_peak_bytes"]
-            assert abs(ts - (rec["end_ns"] + offset) / 1e9) < 0.05  # the step's own end time
+            assert peak_at[ts] == rec.nvml_peak_bytes
+            assert abs(ts - (rec.end_ns + offset) / 1e9) < 0.05  # the step's own end time
         assert peak_at  # a 5 ms step at 1 kHz: a starved sampler may miss some, never all
         # Window gauges: the 10 s window holds whole laps of the replayed capture by now.
-        elapsed = (time.monotonic_ns() - gpu.info["started_ns"]) / 1e9
+        elapsed = (time.monotonic_ns() - gpu.info.started_ns) / 1e9
         time.sleep(max(0.0, 6.0 - elapsed) + 1.5)  # two laps of the capture, then a scrape
         win = f'job="stepmem", gpu_uuid="{gpu.gpu_uuid}"'
         assert prom.scalar(f"stepmem_nvml_used_window_max_bytes{{{win}}}") == cap.used.max()
@@ -459,7 +464,7 @@ def test_per_process_memory_is_labelled_by_ray_name_not_pid(kill_samplers):
     )
     kill_samplers.append(gpu.handle)
     ray.get(gpu.handle.register_process.remote(trainer_pid, ray_process_label()))
-    assert ray.get(gpu.handle.info.remote())["processes"] == {str(trainer_pid): "driver"}
+    assert ray.get(gpu.handle.info.remote()).processes == {str(trainer_pid): "driver"}
 
     def series() -> dict[str, float]:
         out = {}
@@ -487,7 +492,7 @@ def test_per_process_memory_is_labelled_by_ray_name_not_pid(kill_samplers):
 def test_ray_metrics_gauges_reach_rays_own_metrics_endpoint(kill_samplers):
     """--ray-metrics: the headline gauges as Ray's metrics agent serves them (what a Prometheus
     that scrapes Ray sees), each series with the GPU's UUID; Ray exports every ~10 s."""
-    from tests.test_placement import replay_steps
+    from tests.replays import replay_steps
 
     cap = Capture.load(resolve_capture("adamw_8bit"))
     speed = 4.0
@@ -515,3 +520,62 @@ def test_ray_metrics_gauges_reach_rays_own_metrics_endpoint(kill_samplers):
     assert got["ray_stepmem_headroom_bytes"] >= cap.total_bytes - top
     assert 0 < got["ray_stepmem_last_step_nvml_peak_bytes"] <= top
     assert "ray_stepmem_torch_ooms" in got and "ray_stepmem_torch_alloc_retries" in got
+
+
+@pytest.mark.ray
+def test_a_metrics_port_in_use_is_one_line_and_leaves_no_sampler(tmp_path, record_fault):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        args = ["run", "--metrics-port", str(port), "--store", str(tmp_path / "runs")]
+        res = stepmem(*args)
+        line = one_line_error(res, f"cannot serve /metrics on 127.0.0.1:{port}")
+    record_fault("bad input: stepmem run --metrics-port <a port in use>", line)
+
+
+def test_retry_after_that_is_not_a_number_is_ignored():
+    from collector.export.remote_write import retry_after_s
+
+    for value in ("nan", "inf", "-inf", "NaN", "1e400"):
+        assert retry_after_s(value) is None
+    assert retry_after_s("2") == 2.0
+
+
+def test_metrics_keeps_its_threads_bounded_under_idle_connections(record_fault):
+    import socket
+    import urllib.request
+
+    from collector.export.prometheus import MAX_CONNECTIONS, SamplerCollector, serve
+
+    server, port = serve(SamplerCollector(lambda: []), "127.0.0.1", 0)
+    before = threading.active_count()
+    socks = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finished
+            socks.append(s)
+        # every connection is either served by a thread of its own or closed at once (refused)
+        wait_for(lambda: server.refused >= len(socks) - MAX_CONNECTIONS, timeout=60)
+        grown = threading.active_count() - before
+        assert 0 < grown <= MAX_CONNECTIONS and server.refused > 0
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the slots come back when the idle clients go
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                ok = r.status == 200
+                break
+        except OSError:
+            time.sleep(0.1)
+    assert ok
+    server.shutdown()
+    record_fault(
+        "300 idle connections to a sampler's /metrics",
+        f"at most {MAX_CONNECTIONS} threads (one a connection), the rest closed at once and "
+        "counted; scraping works again as soon as they go",
+        threads_added=grown,
+    )

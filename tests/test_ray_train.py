@@ -5,7 +5,8 @@ import json
 import pytest
 import ray
 
-from collector.placement import BackendSpec, launch_samplers
+from collector.backends import BackendSpec
+from collector.placement import launch_samplers
 from tests.conftest import loopback, wait_for
 
 pytestmark = pytest.mark.ray
@@ -50,17 +51,17 @@ def test_probe_in_a_torch_trainer_worker_reaches_the_sampler(kill_samplers, tmp_
     assert json.loads((tmp_path / "w.json").read_text()) == {"steps": 4, "sent": 12}
     wait_for(lambda: len(ray.get(placed.handle.step_records.remote())) == 4, timeout=30)
     records = ray.get(placed.handle.step_records.remote())
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert all(r["samples"] > 0 and r["ledger"]["parameters"] > 0 for r in records)
-    assert [p["phase"] for p in records[0]["phases"]] == ["forward_backward", "optimizer"]
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert all(r.samples > 0 and r.ledger["parameters"] > 0 for r in records)
+    assert [p.phase for p in records[0].phases] == ["forward_backward", "optimizer"]
     # the worker told the sampler who it is: its memory series is labelled by rank, not pid
-    assert list(ray.get(placed.handle.info.remote())["processes"].values()) == ["train_rank_0"]
+    assert list(ray.get(placed.handle.info.remote()).processes.values()) == ["train_rank_0"]
 
 
 def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):
     """`stepmem run --train-workers N`: the job's Ray Train path, with a CPU worker whose probe
     addresses the replayed GPU of this node."""
-    from collector.run import JobOptions
+    from collector.model.settings import JobOptions
     from collector.runners import TrainRunner
 
     (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
@@ -74,4 +75,4 @@ def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):
     assert summary["probe_sent"] == 6 and not summary["probe_dropped"]  # begin + end, 3 steps
     assert "Ray Train: 1 worker(s), CPU" in lines
     wait_for(lambda: len(ray.get(placed.handle.step_records.remote())) == 3, timeout=30)
-    assert [r["step"] for r in ray.get(placed.handle.step_records.remote())] == [1, 2, 3]
+    assert [r.step for r in ray.get(placed.handle.step_records.remote())] == [1, 2, 3]

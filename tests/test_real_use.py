@@ -22,8 +22,8 @@ import pytest
 
 from collector.store import RunStore
 from tests.caps import GIB, MIB, stepped
+from tests.cli import stepmem
 from tests.conftest import wait_for
-from tests.test_cli import stepmem
 
 pytestmark = pytest.mark.ray
 

@@ -1,5 +1,10 @@
 """Captures (format, validation) and the replay backend, on the captures recorded on the H200."""
 
+import json
+import re
+import time
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,6 +20,9 @@ from collector.replay import (
     replay_uuid,
     resolve_capture,
 )
+from tests.caps import CASES, hostile, stepped
+from tests.cli import bad_input, one_line_error, stepmem
+from tests.records import RECORDS
 
 GIB = 1 << 30
 
@@ -112,7 +120,7 @@ def test_unknown_capture_name_lists_the_committed_ones():
 
 
 def test_replay_plays_the_value_in_force_at_real_speed_and_faster():
-    from collector.records import DeviceInfo
+    from collector.model.records import DeviceInfo
 
     clock = Clock(10_000)
     info = DeviceInfo("GPU-r", 0, "X", 100)
@@ -129,7 +137,7 @@ def test_replay_plays_the_value_in_force_at_real_speed_and_faster():
 
 
 def test_replay_loops_and_can_lose_the_gpu():
-    from collector.records import DeviceInfo
+    from collector.model.records import DeviceInfo
 
     clock = Clock(0)
     dev = ReplayDevice(small_capture(), DeviceInfo("GPU-r", 0, "X", 100), 0, clock=clock)
@@ -174,3 +182,124 @@ def test_only_a_replayed_gpu_takes_replay_controls():
     assert isinstance(device, ReplayControl)
     live = LiveDevice.__new__(LiveDevice)  # no NVML here: the protocol reads attributes only
     assert not isinstance(live, ReplayControl)
+
+
+def write_capture(path: Path, meta) -> Path:
+    table = pa.table({"t_ns": [0, 1000], "used": [1, 2], "reserved": [0, 0]})
+    raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    pq.write_table(table.replace_schema_metadata({b"stepmem.capture": raw}), path)
+    return path
+
+
+DEVICE = {"uuid": "GPU-x", "total_bytes": 1 << 30}
+
+
+EV = {"kind": "begin", "step": 1, "t_ns": 0}
+
+
+@pytest.mark.parametrize(
+    ("name", "meta", "needle"),
+    [
+        ("device-as-string", {"format": 1, "device": "GPU-x", "events": [EV]}, "'device' must"),
+        ("list-metadata", [1, 2], "a JSON object was expected"),
+        (
+            "event-without-t_ns",
+            {"format": 1, "device": DEVICE, "events": [{"kind": "begin", "step": 1}]},
+            "events[0].t_ns",
+        ),
+        ("events-as-dict", {"format": 1, "device": DEVICE, "events": {}}, "'events' must"),
+        ("no-step-events", {"format": 1, "device": DEVICE, "events": []}, "no step events"),
+    ],
+)
+def test_malformed_captures_are_one_line(tmp_path, name, meta, needle, record_fault):
+    cap = write_capture(tmp_path / f"{name}.capture.parquet", meta)
+    args = ["run", "--capture", str(cap)]
+    bad_input(record_fault, ["run", "--capture", f"{name}.capture.parquet"], stepmem(*args), needle)
+
+
+def test_a_capture_resampled_by_replay_keeps_its_step_events(tmp_path, record_fault):
+    from collector.replay import Capture, resolve_capture
+
+    out = tmp_path / "rs.capture.parquet"
+    args = ["capture", "--backend", "replay", "--capture", "spiky", "--rate", "200"]
+    res = stepmem(*args, "--duration", "3.5", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    src, cap = Capture.load(resolve_capture("spiky")), Capture.load(out)
+    assert len(cap.events) == len(src.events) > 0
+    assert [(e["kind"], e["step"]) for e in cap.events] == [
+        (e["kind"], e["step"]) for e in src.events
+    ]
+    # the relative timing survives (within the 5 ms a 200 Hz sampler's start can shift it)
+    d_src = src.events[-1]["t_ns"] - src.events[0]["t_ns"]
+    d_cap = cap.events[-1]["t_ns"] - cap.events[0]["t_ns"]
+    assert abs(d_cap - d_src) < 5_000_000
+    same = stepmem(*args, "--duration", "1", "--out", str(out), "--capture", str(out))
+    line = one_line_error(same, "is the capture being resampled")
+    assert Capture.load(out).events == cap.events  # the input is intact
+    record_fault(
+        "capture --backend replay (resampling spiky at 200 Hz)",
+        f"the new capture keeps all {len(cap.events)} step events; --out equal to the input: "
+        f"'{line}', exit 2, input intact",
+    )
+
+
+@pytest.mark.ray
+def test_a_replay_too_fast_to_sample_says_so_and_never_reports_zero(tmp_path, record_fault):
+    """`--speed 1e9` plays every step in well under a sampling period: no step has samples."""
+    out = tmp_path / "r.json"
+    args = ["run", "--speed", "1e9", "--steps", "500", "--out", str(out)]
+    res = stepmem(*args, "--store", str(tmp_path / "runs"), "--run-id", "fast")
+    assert res.returncode == 0, res.stderr
+    assert "--steps 500, but the capture(s) hold 5 steps (adamw_8bit)" in res.stdout
+    assert "have no NVML samples" in res.stdout
+    # no NVML figure is made up: no peak, no headroom, no (negative) memory outside torch
+    assert "Largest within-step peak" not in res.stdout and "headroom" not in res.stdout
+    assert "outside the torch allocator" not in res.stdout
+    assert not re.search(r"-\d+(\.\d+)? GiB", res.stdout)  # no negative figure anywhere
+    doc = json.loads(out.read_text())
+    unmeasured = [r for r in doc["records"] if r["nvml_peak_bytes"] is None]
+    assert unmeasured and all(r["gap"] == "no_samples" for r in unmeasured)
+    rep = stepmem("report", str(tmp_path / "runs" / "fast"))
+    assert rep.returncode == 0 and "have no NVML samples" in rep.stdout
+    cmp = stepmem("compare", str(RECORDS), str(out))
+    assert cmp.returncode == 1 and "Cannot compare" in cmp.stdout
+    record_fault(
+        "replay at --speed 1e9 (steps far shorter than the sampling period)",
+        "steps shown as '—' and named (no_samples), no 0.00 GiB figure; compare against it "
+        "exits 1 'Cannot compare'",
+        steps_without_samples=len(unmeasured),
+        steps=len(doc["records"]),
+    )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_capture_holding_what_no_gpu_gives_is_one_line(tmp_path, case, record_fault):
+    cap = hostile(tmp_path / "bad.capture.parquet", case)
+    t0 = time.monotonic()
+    res = stepmem("run", "--capture", str(cap), "--no-store", timeout=60)
+    line = one_line_error(res, CASES[case])
+    assert time.monotonic() - t0 < 30  # refused before Ray starts, never a hang
+    record_fault(
+        f"hostile capture: {case}",
+        f"{line} — nothing started",
+        seconds=round(time.monotonic() - t0, 1),
+    )
+
+
+def test_a_capture_with_more_rows_than_a_replay_holds_is_refused(tmp_path, monkeypatch):
+    from collector import replay
+    from collector.replay import Capture, CaptureError
+
+    path = stepped([1, 2]).save(tmp_path / "c.capture.parquet")
+    monkeypatch.setattr(replay, "MAX_ROWS", 100)
+    replay._load_cached.cache_clear()
+    with pytest.raises(CaptureError, match="at most 100"):
+        Capture.load(path)
+    monkeypatch.undo()
+    replay._load_cached.cache_clear()
+    dev = replay.ReplayBackend([str(path)]).open(
+        replay.ReplayBackend([str(path)]).devices()[0].uuid
+    )
+    import numpy as np
+
+    assert isinstance(dev._used, np.ndarray)  # 8 bytes a value, not a Python int each

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from collector.compare import compare
-from collector.diagnosis import diagnose
-from collector.diagnosis.kinds import GIB
-from collector.report import render_report
-from collector.runs import load_run
+from collector.analysis.compare import compare
+from collector.analysis.diagnosis import diagnose
+from collector.analysis.report import render_report
+from collector.analysis.runs import load_run
+from collector.model.units import GIB
+from collector.store import RunWriter
+from tests.caps import hostile
+from tests.records import RECORDS, typed, unmeasured_run
 
 H200 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h200-run2"
 # Run stores written by `ray job submit ... python -m collector.job` on the H200
@@ -202,7 +205,7 @@ def test_a_steady_leak_is_named_with_its_pool_and_rate():
         step(i, 10 * GIB + i * 200 * (1 << 20), 12 * GIB + i * 200 * (1 << 20), 11 * GIB)
         for i in range(1, 11)
     ]
-    f = {x.rule: x for x in diagnose(recs)}
+    f = {x.rule: x for x in diagnose(typed(recs))}
     assert "steady_state" not in f and "growing" not in f
     assert f["leak"].numbers["pool"] == "torch allocated"
     assert f["leak"].numbers["bytes_per_step"] == pytest.approx(200 * (1 << 20))
@@ -214,7 +217,7 @@ def test_memory_that_moves_without_growing_is_not_called_a_leak():
         step(i, 10 * GIB, 12 * GIB, 11 * GIB, nvml_end=13 * GIB + (i % 2) * 512 * (1 << 20))
         for i in range(1, 9)
     ]
-    f = {x.rule: x for x in diagnose(recs)}
+    f = {x.rule: x for x in diagnose(typed(recs))}
     assert "growing" not in f and "steady_state" not in f
     assert "without growing" in f["unsteady"].text
     assert (f["unsteady"].numbers["first"], f["unsteady"].numbers["last"]) == (1, 8)
@@ -231,7 +234,7 @@ def test_without_a_ledger_the_state_a_step_kept_is_read_from_the_allocator():
     for r in recs:
         r["ledger"] = {}
     recs[0]["torch_begin"] = {"allocated_bytes.all.current": 2 * GIB}
-    (jump,) = [f for f in diagnose(recs) if f.rule == "jump"]
+    (jump,) = [f for f in diagnose(typed(recs)) if f.rule == "jump"]
     assert jump.numbers["cause"] == "peak" and jump.numbers["kept_by_step"] == 13 * GIB
     assert "created and kept 13.00 GiB" in jump.text and "probe.watch" in jump.text
 
@@ -243,7 +246,7 @@ def test_a_jump_the_peak_does_not_explain_is_the_allocators():
         step(3, 10 * GIB, 13 * GIB, 11 * GIB),
         step(4, 10 * GIB, 13 * GIB, 11 * GIB),
     ]
-    fs = diagnose(recs)
+    fs = diagnose(typed(recs))
     assert not [x for x in fs if x.rule == "jump"]  # the allocator's: fragmentation says it
     (frag,) = [x for x in fs if x.rule == "fragmentation"]
     assert frag.numbers["jumps"] == [(1, 2, GIB)] and "beyond the allocated peak" in frag.text
@@ -251,7 +254,7 @@ def test_a_jump_the_peak_does_not_explain_is_the_allocators():
 
 def test_an_oom_step_is_named_with_the_peak_before_it():
     recs = [step(i, 10 * GIB, 12 * GIB, 11 * GIB, num_ooms=1 if i >= 4 else 0) for i in range(1, 6)]
-    (oom,) = [x for x in diagnose(recs, 140 * GIB) if x.rule == "oom"]
+    (oom,) = [x for x in diagnose(typed(recs), 140 * GIB) if x.rule == "oom"]
     assert oom.numbers["step"] == 4 and oom.numbers["peak"] == 13 * GIB
 
 
@@ -318,7 +321,7 @@ def test_report_reads_a_run_store(tmp_path):
 
     doc = json.loads((H200 / "paged_adamw_8bit.records.json").read_text())
     w = RunWriter(tmp_path / "run", {"run_id": "r", "samplers": doc["samplers"]})
-    w.add_records(copy.deepcopy(doc["records"]))
+    w.add_records(typed(doc["records"]))
     w.flush()  # never closed: a run that died
     text, fs = render_report(load_run(tmp_path / "run"))
     assert "managed (paged) optimizer state accounts for 13.28 GiB" in text
@@ -349,7 +352,7 @@ def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete(record_fa
     assert run.meta["status"] == "interrupted" and run.meta["samples_lost"] == 0
     assert [r.step for r in recs if not r.failed] == [1, 2, 3, 4, 5, 6]
     assert [(r.step, r.error) for r in recs if r.failed] == [(7, "KeyboardInterrupt")]
-    (f,) = [x for x in diagnose(recs, run.totals[uuid]) if x.rule == "interrupted"]
+    (f,) = [x for x in diagnose(typed(recs), run.totals[uuid]) if x.rule == "interrupted"]
     assert f.numbers["step"] == 7
     record_fault(
         "`ray job stop` on the 7B finetune (H200, benchmarks/results/h200-train)",
@@ -361,7 +364,7 @@ def test_a_run_stopped_by_ray_job_stop_on_the_h200_reads_back_complete(record_fa
 
 
 def test_the_fleet_view_names_the_highest_and_lowest_gpu_per_node_and_the_lost_ones():
-    from collector.runs import Run
+    from collector.analysis.runs import Run
 
     doc = json.loads((H200 / "adamw_8bit.records.json").read_text())
     (sampler,) = doc["samplers"]
@@ -381,7 +384,7 @@ def test_the_fleet_view_names_the_highest_and_lowest_gpu_per_node_and_the_lost_o
             rec = copy.deepcopy(r) | {"gpu_uuid": uuid}
             rec["nvml_peak_bytes"] = int(rec["nvml_peak_bytes"] * scale)
             records.append(rec)
-    text, _ = render_report(Run("fleet", {"samplers": samplers, "health": health}, records))
+    text, _ = render_report(Run("fleet", {"samplers": samplers, "health": health}, typed(records)))
     fleet = text[text.index("Fleet — every GPU (4)") :]
     top = max(r["nvml_peak_bytes"] for r in doc["records"])
     assert "Compared: the 3 GPUs that were not lost." in fleet
@@ -391,3 +394,70 @@ def test_the_fleet_view_names_the_highest_and_lowest_gpu_per_node_and_the_lost_o
     assert f"node-a {top * 1.1 / GIB:.2f} GiB, node-b {top * 0.9 / GIB:.2f} GiB" in fleet
     assert "GPU 3 on node node-b was LOST" in fleet and "stop at step 2 (2 of 5 steps)" in fleet
     assert fleet.count("LOST") == 2  # its table row and its finding
+
+
+def test_steps_without_samples_are_named_and_left_out_not_zero(tmp_path):
+    recs, total = unmeasured_run()
+    fs = diagnose(typed(recs), total)
+    assert fs[0].rule == "unmeasured" and "3 of " in fs[0].text and "step 3–5" in fs[0].text
+    nontorch = next(f for f in fs if f.rule == "nontorch")
+    assert nontorch.numbers["nontorch"] > 0
+    head = next(f for f in fs if f.rule == "headroom")
+    assert head.numbers["peak"] == max(r["nvml_peak_bytes"] or 0 for r in recs)
+    # the table shows them as missing
+    from collector.analysis.runs import Run
+
+    out, _ = render_report(Run("r", {"samplers": []}, typed(recs)))
+    row3 = next(
+        line for line in out.splitlines() if line.strip().startswith("│ 3 ") or " 3 │" in line
+    )
+    assert "—" in row3 and "0.00" not in row3.split("│")[2]
+
+
+def test_an_oom_step_without_samples_never_reached_zero():
+    recs, total = unmeasured_run()
+    last = max(r["step"] for r in recs)
+    failed = next(r for r in recs if r["step"] == last)
+    failed.update(
+        error="OutOfMemoryError", samples=0, gap="no_samples", nvml_peak_bytes=None,
+        nvml_end_bytes=None, nvml_min_bytes=None, nvml_peak_t_ns=None,
+    )  # fmt: skip
+    (oom,) = [f for f in diagnose(typed(recs), total) if f.rule == "oom"]
+    assert "reached 0.00" not in oom.text and "NVML has no sample inside it" in oom.text
+
+
+@pytest.mark.parametrize(
+    ("status", "needle"), [("interrupted", "INTERRUPTED"), ("running", "UNFINISHED")]
+)
+def test_report_says_a_run_was_interrupted_or_never_finished(
+    tmp_path, status, needle, record_fault
+):
+    doc = json.loads(RECORDS.read_text())
+    w = RunWriter(tmp_path / "run", {"run_id": "r", "samplers": doc["samplers"]})
+    w.add_records(typed(doc["records"][:4]))
+    if status == "running":
+        w.flush()  # SIGKILL: never closed
+    else:
+        w.close(status)
+    res = stepmem("report", str(tmp_path / "run"))
+    assert res.returncode == 0 and needle in res.stdout
+    (line,) = [ln for ln in res.stdout.splitlines() if needle in ln]
+    how = "stopped by a signal" if status == "interrupted" else "killed (SIGKILL), never closed"
+    record_fault(f"`stepmem report` on a run {how}", f"the report says so: '{line.strip()}'")
+
+
+def test_rich_markup_in_a_phase_name_is_printed_as_text(tmp_path):
+    """A phase named like Rich markup is data: the run and its report print it as it is."""
+    cap = hostile(tmp_path / "markup.capture.parquet", "phase with markup")
+    from collector.replay import Capture
+
+    assert Capture.load(cap).events[0]["phase"] == "[red]opt[/red][/x]"  # a valid capture
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
+
+    rec = json.loads(RECORDS.read_text())
+    recs = rec["records"]
+    recs[0]["phases"][1]["phase"] = "[red]opt[/red][/x]"
+    rec["banner"] = "[/bold]oops"
+    text, _ = render_report(Run("r", rec, typed(recs)))
+    assert "[/bold]oops" in text

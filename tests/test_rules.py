@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
+import time
 
 import yaml
 
 from collector.metrics import METRICS
+from tests.cli import one_line_error, stepmem
 from tests.prom import require
+from tests.promql import RULES_DIR, metric_names
+from tests.records import RECORDS, ROOT
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "rules"
 ALERTMANAGER = RULES_DIR.parent.parent / "alertmanager" / "alertmanager.yml"
 GIB = 1 << 30
 MIB = 1 << 20
@@ -350,36 +352,6 @@ def test_every_rule_has_severity_description_and_runbook():
 PROMETHEUS_OWN = {"up"}
 
 
-def metric_names(expr: str) -> set[str]:
-    """Metric names an expression selects: identifiers followed by ``{`` or ``[``, or standing
-    alone, that are not PromQL functions, keywords or label names inside braces."""
-    expr = re.sub(r"\{[^}]*\}", "{}", expr)  # drop matchers (label names and values)
-    expr = re.sub(r"\$\w+", "", expr)  # Grafana variables ($__interval, $run)
-    expr = re.sub(r"(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
-    functions = set(re.findall(r"([a-zA-Z_]+)\s*\(", expr))
-    keywords = {
-        "and",
-        "or",
-        "unless",
-        "offset",
-        "bool",
-        "by",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
-        "without",
-        "m",
-        "s",
-        "h",
-        "d",
-        "w",
-        "e",
-    }
-    return {w for w in words - functions - keywords if not re.fullmatch(r"\d+[smhdw]", w)}
-
-
 def test_rules_name_only_metrics_of_the_table():
     table = {m.name for m in METRICS} | PROMETHEUS_OWN
     for path in (RULES_DIR / "stepmem.yml", RULES_DIR / "baselines.yml"):
@@ -390,3 +362,53 @@ def test_rules_name_only_metrics_of_the_table():
                 assert names <= table, (rule.get("alert") or rule.get("record"), names - table)
                 if "record" in rule:
                     assert rule["record"] in table
+
+
+def test_baseline_never_overwrites_a_file_that_is_not_a_baseline(tmp_path, record_fault):
+    rules = ROOT / "deploy" / "prometheus" / "rules" / "stepmem.yml"
+    other = tmp_path / "alerts.yml"
+    other.write_text(rules.read_text())
+    broken = tmp_path / "broken.yml"
+    broken.write_text("groups: [unclosed\n")
+    lines = {}
+    for target, merge, needle in (
+        (broken, True, "not a stepmem baseline file"),
+        (other, False, "not a stepmem baseline file"),
+        (other, True, "not a stepmem baseline file"),
+    ):
+        before = target.read_text()
+        args = ["baseline", str(RECORDS), "--out", str(target), "--workload", "finetune"]
+        args += ["--merge"] if merge else []
+        lines[target.name] = one_line_error(stepmem(*args), needle)
+        assert target.read_text() == before
+    for name, what in (("broken.yml", "INVALID.yml"), ("alerts.yml", "ALERT_RULES.yml")):
+        record_fault(
+            f"bad input: stepmem baseline RECORDS --merge --out {what}",
+            f"{lines[name]} — the file is left byte for byte as it was",
+        )
+    # a baseline file with another workload: kept with --merge, refused without it
+    mine = tmp_path / "baselines.yml"
+    assert stepmem("baseline", str(RECORDS), "--out", str(mine), "--workload", "a").returncode == 0
+    one_line_error(
+        stepmem("baseline", str(RECORDS), "--out", str(mine), "--workload", "b"), "--merge"
+    )
+    res = stepmem("baseline", str(RECORDS), "--out", str(mine), "--workload", "b", "--merge")
+    assert res.returncode == 0
+    from collector.analysis.baseline import read_rules
+
+    assert sorted(read_rules(mine)) == ["a", "b"]
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, record_fault):
+    bomb = tmp_path / "laughs.yml"
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for x, y in zip("bcdefgh", "abcdefg", strict=True):
+        lines.append(f"{x}: &{x} [" + ",".join([f"*{y}"] * 9) + "]")
+    bomb.write_text("\n".join(lines) + "\n")
+    before = bomb.read_bytes()
+    t0 = time.monotonic()
+    res = stepmem("baseline", str(RECORDS), "--out", str(bomb), "--merge", "--workload", "x")
+    line = one_line_error(res, "not a stepmem baseline file", "aliases")
+    assert time.monotonic() - t0 < 30 and bomb.read_bytes() == before
+    record_fault("hostile input: a YAML alias bomb as baseline --merge --out", line,
+                 seconds=round(time.monotonic() - t0, 1))  # fmt: skip

@@ -5,27 +5,12 @@ import time
 
 import pytest
 
-from collector.nvml import NvmlGpuLost, NvmlNotSupported, NvmlUnknown
-from collector.records import StepEvent
-from collector.sampler import RingBuffer, Sampler, StepJoiner
-from collector.settings import Rate
+from collector.model.records import ProcessMemory
+from collector.model.settings import Rate
+from collector.nvml import NvmlUnknown
+from collector.sampler import RingBuffer, Sampler
 from tests.conftest import wait_for
-
-
-class CountingDevice:
-    uuid = "GPU-test"
-
-    def __init__(self, fail_every: int = 0, fail_with=NvmlNotSupported, lose_after: int = 0):
-        self.n = 0
-        self.fail_every, self.fail_with, self.lose_after = fail_every, fail_with, lose_after
-
-    def read(self):
-        self.n += 1
-        if self.lose_after and self.n > self.lose_after:
-            raise NvmlGpuLost("GPU is lost")
-        if self.fail_every and self.n % self.fail_every == 0:
-            raise self.fail_with("injected")
-        return self.n, 0
+from tests.joins import MS, CountingDevice, ev, joiner_with
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "abc", "", "2e6"])
@@ -92,21 +77,6 @@ def test_max_rate_samples_back_to_back():
 
 # -- the join ----------------------------------------------------------------------------------
 
-MS = 1_000_000
-
-
-def joiner_with(samples, capacity=1024, started_ns=1):
-    """A StepJoiner over a sampler whose ring holds ``samples`` [(t_ns, used)] (no thread)."""
-    s = Sampler(CountingDevice(), rate=1000, capacity=capacity)
-    s.started_ns = started_ns
-    for t, used in samples:
-        s.ring.append(t, used, 100)
-    return StepJoiner(s)
-
-
-def ev(kind, step, t, phase="", **torch):
-    return StepEvent(kind=kind, step=step, t_ns=t, gpu_uuid="GPU-test", phase=phase, torch=torch)
-
 
 def test_join_takes_peak_min_time_and_end_reading():
     samples = [(t * MS, 10) for t in range(1, 100)]
@@ -168,12 +138,12 @@ def test_phases_get_their_own_peaks():
     j.add(ev("end", 2, 50 * MS, **{"allocated_bytes.all.peak": 700}))
     (rec,) = j.poll()
     fb, opt = rec.phases
-    assert (fb["phase"], fb["nvml_peak_bytes"], fb["torch_allocated_peak_bytes"]) == (
+    assert (fb.phase, fb.nvml_peak_bytes, fb.torch_allocated_peak_bytes) == (
         "forward_backward",
         50,
         400,
     )
-    assert (opt["phase"], opt["nvml_peak_bytes"], opt["torch_allocated_peak_bytes"]) == (
+    assert (opt.phase, opt.nvml_peak_bytes, opt.torch_allocated_peak_bytes) == (
         "optimizer",
         80,
         700,
@@ -243,7 +213,7 @@ def test_concurrent_reader_never_sees_torn_windows():
 
 
 def test_the_joiner_keeps_a_bounded_number_of_records():
-    from collector import sampler as sampler_module
+    from collector import join as sampler_module
 
     j = joiner_with([(t * MS, 1) for t in range(100)])
     j.records = sampler_module.deque(maxlen=5)
@@ -327,7 +297,6 @@ class _ProcsDevice:
         self.used, self.calls, self.fail = 100 * MIB, 0, False
 
     def processes_reading(self, t_ns):
-        from collector.nvml import ProcessMemory
 
         self.calls += 1
         if self.fail:
@@ -360,10 +329,31 @@ def test_process_watch_reads_when_memory_moves_and_serves_the_reading_that_fits_
     assert w.poll() and dev.calls == 2
     # step 1 ended with 100 MiB used: the reading before its end fits, not the one after
     r = w.reading_for(end1, 100 * MIB)
-    assert r["device_used"] == 100 * MIB and r["procs"] == [[7, 100 * MIB, "train"]]
+    assert r.device_used == 100 * MIB and r.procs == [ProcessMemory(7, 100 * MIB, "train")]
     # a step that ended with 600 MiB used just before the reading: the one after fits
-    assert w.reading_for(end1, 600 * MIB)["device_used"] == 600 * MIB
+    assert w.reading_for(end1, 600 * MIB).device_used == 600 * MIB
     # an NVML error is counted, and costs nothing else
     dev.fail = True
     sample(900 * MIB)
     assert not w.poll() and w.errors == {"NvmlUnknown": 1} and w.reads == 2
+
+
+def test_unended_steps_and_phase_marks_cannot_grow_a_sampler():
+    from collector import join as smp
+    from collector.model.records import StepEvent
+    from tests.joins import joiner_with
+
+    j = joiner_with([(t * 1_000_000, 1) for t in range(10)])
+    for pid in range(smp.MAX_OPEN + 500):  # begins without ends, one per process
+        j.add(StepEvent("begin", 1, 1 + pid, "GPU-test", seq=1, pid=pid))
+    assert j.open_steps == smp.MAX_OPEN and j.rejected["open_dropped"] == 500
+    assert 7 not in j._open  # the oldest processes' open steps went first
+    last = smp.MAX_OPEN + 499
+    for k in range(smp.MAX_PHASES + 100):  # phase marks of one open step
+        j.add(StepEvent("phase", 1, 5000 + k, "GPU-test", phase=f"p{k}", seq=1, pid=last))
+    assert len(j._open[last][2]) == smp.MAX_PHASES and j.rejected["phases_dropped"] == 100
+    far = StepEvent(
+        "end", 1, time.monotonic_ns() + 2 * smp.MAX_FUTURE_NS, "GPU-test", seq=1, pid=last
+    )
+    j.add(far)
+    assert j.rejected["future_timestamp"] == 1 and j.pending == 0

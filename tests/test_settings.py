@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from collector.cli import build_parser
-from collector.settings import DEFAULT_RATE, DEFAULT_WINDOW_S, Rate, SamplerOptions, Sampling
+from collector.cli.parsers import build_parser
+from collector.model.settings import DEFAULT_RATE, DEFAULT_WINDOW_S, Rate, SamplerOptions, Sampling
 
 
 def test_a_rate_knows_what_max_means():

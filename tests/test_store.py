@@ -8,10 +8,16 @@ import textwrap
 import numpy as np
 import pytest
 
+from collector.model.records import StepEvent
+from collector.model.step import PhaseReading, ProcessesReading, StepRecord
 from collector.store import RunStore, RunWriter, StoreError
 
 
-def record(step, uuid="GPU-a"):
+def record(step, uuid="GPU-a", **kw):
+    return StepRecord.from_dict({**_record(step, uuid), **kw})
+
+
+def _record(step, uuid="GPU-a"):
     return {
         "gpu_uuid": uuid,
         "step": step,
@@ -28,7 +34,7 @@ def record(step, uuid="GPU-a"):
         "torch_reserved_peak_bytes": 95,
         "torch_end": {"reserved_bytes.all.current": 40},
         "ledger": {"parameters": 10},
-        "phases": [{"phase": "optimizer"}],
+        "phases": [{"phase": "optimizer", "begin_ns": step * 10, "end_ns": step * 10 + 5}],
         "seq": step,
         "pid": 7,
     }
@@ -38,19 +44,7 @@ def test_round_trip(tmp_path):
     w = RunWriter(tmp_path / "run", {"run_id": "r1"})
     w.add_samples("GPU-a", np.arange(5), np.arange(5) * 2, np.zeros(5))
     w.add_records([record(1), record(2)])
-    w.add_events(
-        [
-            {
-                "kind": "begin",
-                "step": 1,
-                "t_ns": 1,
-                "gpu_uuid": "GPU-a",
-                "phase": "",
-                "torch": {"x": 1},
-                "ledger": {},
-            }
-        ]
-    )
+    w.add_events([StepEvent("begin", 1, 1, "GPU-a", torch={"x": 1})])
     w.flush()
     w.add_samples("GPU-a", np.arange(5, 8), np.arange(5, 8) * 2, np.zeros(3))
     w.close()
@@ -77,13 +71,13 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path):
 def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path, record_fault):
     script = textwrap.dedent(f"""
         import os, signal, numpy as np
+        from collector.model.step import StepRecord
         from collector.store import RunWriter
         w = RunWriter({str(tmp_path / "run")!r}, {{"run_id": "killed"}})
         for i in range(1000):
             w.add_samples("GPU-a", np.arange(i * 100, i * 100 + 100), np.full(100, i),
                           np.zeros(100))
-            w.add_records([{{"gpu_uuid": "GPU-a", "step": i + 1, "begin_ns": 0, "end_ns": 1,
-                             "samples": 1, "nvml_peak_bytes": i}}])
+            w.add_records([StepRecord("GPU-a", i + 1, 0, 1, 1, nvml_peak_bytes=i)])
             w.flush()
             if i == 6:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -93,8 +87,8 @@ def test_a_run_killed_with_sigkill_midway_is_still_readable(tmp_path, record_fau
     s = RunStore(tmp_path / "run")
     assert s.meta["status"] == "running"  # never closed
     assert len(s.samples("GPU-a")) == 700 and s.steps()["step"].tolist() == list(range(1, 8))
-    from collector.report import render_report
-    from collector.runs import load_run
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import load_run
 
     text, _ = render_report(load_run(tmp_path / "run"))  # the report reads it too
     assert "memory per step" in text
@@ -133,12 +127,10 @@ def test_write_failures_are_counted_and_never_raised(tmp_path, caplog, record_fa
 def test_records_read_back_typed(tmp_path):
     """RunStore.records(): the StepRecords written, typed, the same (a step without NVML
     samples keeps None, not 0 or NaN)."""
-    from collector.records import StepRecord
-
-    unmeasured = {**record(3), "nvml_peak_bytes": None, "nvml_end_bytes": None, "samples": 0}
-    written = [StepRecord.from_dict(r) for r in (record(1), record(2), unmeasured)]
+    unmeasured = record(3, nvml_peak_bytes=None, nvml_end_bytes=None, samples=0)
+    written = [record(1), record(2), unmeasured]
     w = RunWriter(tmp_path / "run", {"run_id": "r1"})
-    w.add_records([r.to_dict() for r in written])
+    w.add_records(written)
     w.close("completed")
     back = RunStore(tmp_path / "run").records()
     assert back == written
@@ -148,8 +140,8 @@ def test_records_read_back_typed(tmp_path):
 def test_a_store_written_before_seq_existed_numbers_its_steps_in_time_order(tmp_path):
     """Old stores (no seq, pid columns) still read: their steps get seq 1, 2, … by time, so
     two epochs' step 1 stay two steps."""
-    old = [{k: v for k, v in record(s).items() if k not in ("seq", "pid")} for s in (1, 2)]
-    old += [{**r, "begin_ns": r["begin_ns"] + 100, "end_ns": r["end_ns"] + 100} for r in old]
+    old = [record(s, seq=0, pid=0) for s in (1, 2)]
+    old += [record(s, seq=0, pid=0, begin_ns=s * 10 + 100, end_ns=s * 10 + 105) for s in (1, 2)]
     w = RunWriter(tmp_path / "run", {"run_id": "old"})
     w.add_records(old)
     w.close()
@@ -165,10 +157,12 @@ def _non_default(name, type_text, i):
         return f"{name}-value"
     if type_text == "dict[str, int]":
         return {"some.key": 7 + i}
-    if type_text == "dict[str, Any]":
-        return {"t_ns": 5, "device_used": 9, "procs": [[1, 2, "python"]]}
-    if type_text.startswith("list"):
-        return [{"phase": "optimizer", "nvml_begin_bytes": i}]
+    if type_text == "ProcessesReading | None":
+        return ProcessesReading.from_untrusted(
+            {"t_ns": 5, "device_used": 9, "procs": [[1, 2, "python"]], "baseline": 3}
+        )
+    if type_text == "list[PhaseReading]":
+        return [PhaseReading("optimizer", 1, 2, nvml_begin_bytes=i)]
     raise AssertionError(f"StepRecord.{name}: a field of type {type_text} — teach the store it")
 
 
@@ -178,8 +172,6 @@ def test_every_step_record_field_is_stored_and_read_back(tmp_path):
     without a change to the store."""
     import dataclasses
 
-    from collector.records import StepRecord
-
     values = {
         f.name: _non_default(f.name, str(f.type), i)
         for i, f in enumerate(dataclasses.fields(StepRecord))
@@ -187,6 +179,28 @@ def test_every_step_record_field_is_stored_and_read_back(tmp_path):
     rec = StepRecord(**values)
     assert all(getattr(rec, f.name) != f.default for f in dataclasses.fields(StepRecord))
     w = RunWriter(tmp_path / "run", {"run_id": "r1"})
-    w.add_records([rec.to_dict()])
+    w.add_records([rec])
     w.close()
     assert RunStore(tmp_path / "run").records() == [rec]
+
+
+def test_the_store_itself_refuses_to_write_over_a_run(tmp_path):
+    from collector.store import StoreError
+
+    RunWriter(tmp_path / "r", {"run_id": "r"}).close("complete")
+    with pytest.raises(StoreError, match="already holds a run"):
+        RunWriter(tmp_path / "r", {"run_id": "r"})
+    assert RunStore(tmp_path / "r").meta["status"] == "complete"
+
+
+def test_a_value_no_column_can_hold_is_counted_never_kills_the_store(tmp_path):
+    from collector.store import RunStore, RunWriter
+
+    w = RunWriter(tmp_path / "run", {"run_id": "r"})
+    w.add_records([StepRecord("G", 1, 1, 2, 1, ledger={"optimizer_state": 10**30})])
+    w.add_samples("G", [1, 2], [3, 4], [0, 0])
+    w.flush()  # never raises
+    w.close()
+    meta = RunStore(tmp_path / "run").meta
+    assert meta["status"] == "incomplete" and meta["write_errors"] == {"steps": 1}
+    assert meta["rows_written"]["samples"] == 2

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from collector.probe.core import Outbox, StepProbe
+from collector.model.step import StepRecord
+from collector.probe.core import StepProbe
+from collector.probe.outbox import Outbox
 from tests.conftest import loopback
-from tests.test_probe import lightning_fit, plain_loop
+from tests.loops import lightning_fit, plain_loop
 from workloads import finetune
 
 GIB = 1 << 30
@@ -67,7 +69,8 @@ def test_hf_trainer_sends_stepmem_keys_to_tensorboard_mlflow_and_wandb(
     pytest.importorskip("tensorboard")
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    from collector.placement import BackendSpec, launch_samplers
+    from collector.backends import BackendSpec
+    from collector.placement import launch_samplers
 
     # a replayed GPU playing the 7B adamw_8bit run's NVML trace (the probe's steps are this
     # tiny CPU run's; the sampler joins them against that trace)
@@ -141,9 +144,9 @@ def test_hf_trainer_sends_stepmem_keys_to_tensorboard_mlflow_and_wandb(
     # each logged figure is the sampler's own record of the step it names
     import ray
 
-    recs = {r["step"]: r for r in ray.get(gpu.handle.step_records.remote(), timeout=30)}
+    recs = {r.step: r for r in ray.get(gpu.handle.step_records.remote(), timeout=30)}
     for e in nvml:
-        assert e.value == pytest.approx(recs[nvml_step[e.step]]["nvml_peak_bytes"] / GIB)
+        assert e.value == pytest.approx(recs[nvml_step[e.step]].nvml_peak_bytes / GIB)
     assert {m.step for m in client.get_metric_history(run.info.run_id, "stepmem/nvml_peak_gib")}
 
 
@@ -194,7 +197,9 @@ def test_plain_loop_metrics_give_peaks_since_the_last_call_and_the_newest_joined
     assert m[LEDGER] > 0 and "stepmem/nvml_peak_gib" not in m  # nothing joined yet
     assert probe.outbox.want_newest  # the sender now fetches it
     # what the sender would have fetched (no Ray here), and allocator peaks (no CUDA here)
-    probe.outbox.newest["GPU-a"] = {"step": 7, "nvml_peak_bytes": 3 * GIB, "nvml_end_bytes": GIB}
+    probe.outbox.newest["GPU-a"] = StepRecord(
+        "GPU-a", 7, 1, 2, 5, nvml_peak_bytes=3 * GIB, nvml_end_bytes=GIB
+    )
     probe._log_peaks = {0: {"allocated_bytes.all.peak": GIB, "reserved_bytes.all.peak": 2 * GIB}}
     m = probe.metrics()
     assert (m["stepmem/nvml_peak_gib"], m["stepmem/nvml_end_gib"], m["stepmem/nvml_step"]) == (

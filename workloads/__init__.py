@@ -14,7 +14,7 @@ import importlib
 import json
 from typing import Any
 
-from collector.errors import InputError
+from collector.model.errors import InputError
 
 WORKLOADS = ("finetune", "spiky", "patterns", "distributed")
 

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workloads.finetune import SHAPES
+    from collector.estimate.spec import SHAPES
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from workloads.finetune import SHAPES
+    from collector.estimate.spec import SHAPES
 
     p = argparse.ArgumentParser(prog="cases", description=__doc__.splitlines()[0])
     p.add_argument("--case", choices=CASES, required=True)

@@ -68,7 +68,7 @@ def build(args: argparse.Namespace, device: Any) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workloads.finetune import SHAPES
+    from collector.estimate.spec import SHAPES
 
     config = LlamaConfig(
         **SHAPES[args.size], max_position_embeddings=max(args.seq_len, 128), use_cache=False
@@ -216,7 +216,7 @@ def check(args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from collector.args import positive_int
-    from workloads.finetune import SHAPES
+    from collector.estimate.spec import SHAPES
 
     p = argparse.ArgumentParser(prog="distributed", description=__doc__.splitlines()[0])
     p.add_argument("--shard", choices=SHARDS, default="fsdp2", help="default fsdp2")

@@ -3,7 +3,8 @@
 fp32 weights with bf16 autocast, gradient checkpointing, batch 1, gradient accumulation 2,
 synthetic tokens, an optimizer chosen with ``--optim`` (``adamw_8bit`` and ``paged_adamw_8bit``
 are bitsandbytes'; ``adamw_torch`` is PyTorch's). No weights are downloaded: the model is built
-from :data:`SHAPES` and initialised randomly (memory behaviour does not depend on the values).
+from :data:`collector.estimate.spec.SHAPES` (the shapes the estimate knows too) and initialised
+randomly (memory behaviour does not depend on the values).
 
     python -m workloads.finetune --size 7b --optim adamw_8bit --steps 4     # on a GPU
     python -m workloads.finetune --size tiny --steps 3                      # anywhere
@@ -20,45 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "adamw_torch")
-SHAPES: dict[str, dict[str, int]] = {
-    # Llama-2-7B
-    "7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        intermediate_size=11008,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
-    # ~1.1B (TinyLlama's shape): the distributed runs on one GPU
-    "1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=22,
-        intermediate_size=5632,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
-    # ~0.2B: quick GPU checks
-    "small": dict(
-        hidden_size=1024,
-        num_hidden_layers=8,
-        intermediate_size=2816,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-    ),
-    # CPU tests
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-    ),
-}
+from collector.estimate.spec import OPTIMS, SHAPES, Spec
 
 
 def build_model(size: str, seq_len: int, device_map: str | None) -> Any:
@@ -231,12 +194,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """What depends on the machine (:meth:`Spec.for_machine`: the 7B ``adamw_8bit`` fine-tune
+    at 4,096 tokens on a GPU, the tiny shape elsewhere), filled in where not given."""
     import torch
 
-    gpu = torch.cuda.is_available()
-    args.size = args.size or ("7b" if gpu else "tiny")
-    args.optim = args.optim or ("adamw_8bit" if gpu else "adamw_torch")
-    args.seq_len = args.seq_len or (4096 if gpu else 64)
+    machine = Spec.for_machine(torch.cuda.is_available())
+    args.size = args.size or machine.size
+    args.optim = args.optim or machine.optim
+    args.seq_len = args.seq_len or machine.seq_len
     args.device_map = None if args.device_map == "none" else args.device_map
     return args
 

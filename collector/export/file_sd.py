@@ -13,29 +13,45 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TargetsRefresher", "targets_for", "write_targets"]
+from collector.model.records import SamplerInfo
+
+__all__ = ["TargetsRefresher", "infos_of", "targets_for", "write_targets"]
 
 
-def targets_for(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """file_sd entries for sampler ``info()`` dicts, sorted for stable output."""
+def targets_for(infos: list[SamplerInfo]) -> list[dict[str, Any]]:
+    """file_sd entries for samplers' ``info()``, sorted for stable output."""
     out = []
-    for info in sorted(infos, key=lambda i: (i["node_id"], i["index"], i["gpu_uuid"])):
+    for info in sorted(infos, key=lambda i: (i.node_id, i.index, i.gpu_uuid)):
         out.append(
             {
-                "targets": [f"{info['metrics_addr']}:{info['metrics_port']}"],
+                "targets": [f"{info.metrics_addr}:{info.metrics_port}"],
                 "labels": {
-                    "node": info["node_id"],
-                    "gpu": str(info["index"]),
-                    "gpu_uuid": info["gpu_uuid"],
-                    "run": info["run_id"],
-                    "workload": info["workload"],
+                    "node": info.node_id,
+                    "gpu": str(info.index),
+                    "gpu_uuid": info.gpu_uuid,
+                    "run": info.run_id,
+                    "workload": info.workload,
                 },
             }
         )
     return out
 
 
-def write_targets(path: str | Path, infos: list[dict[str, Any]]) -> bool:
+def infos_of(handles: list[Any], timeout_s: float) -> list[SamplerInfo]:
+    """The ``info()`` of every sampler actor that answers within ``timeout_s`` (a dead or stuck
+    sampler is not a target)."""
+    import ray
+
+    infos = []
+    for h in handles:
+        try:
+            infos.append(ray.get(h.info.remote(), timeout=timeout_s))
+        except Exception:
+            continue
+    return infos
+
+
+def write_targets(path: str | Path, infos: list[SamplerInfo]) -> bool:
     """Write the targets file if its content changed (atomically: temp file + rename).
 
     Returns True when the file was (re)written.
@@ -75,15 +91,8 @@ class TargetsRefresher:
         self._thread = threading.Thread(target=self._run, name="stepmem-file-sd", daemon=True)
         self._thread.start()
 
-    def refresh(self) -> list[dict[str, Any]]:
-        import ray
-
-        infos = []
-        for h in self.handles:
-            try:
-                infos.append(ray.get(h.info.remote(), timeout=self.timeout_s))
-            except Exception:  # a dead or stuck sampler is not a target
-                continue
+    def refresh(self) -> list[SamplerInfo]:
+        infos = infos_of(self.handles, self.timeout_s)
         write_targets(self.path, infos)
         return infos
 

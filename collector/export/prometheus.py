@@ -1,8 +1,11 @@
 """Prometheus pull: a custom collector that builds metric families at scrape time, and its server.
 
 :class:`SamplerCollector` reads :class:`Snapshot` objects (one per GPU) when Prometheus scrapes
-and emits every family of :data:`collector.metrics.METRICS` it has data for. A snapshot that
-fails to build is logged and skipped — a collector never breaks a scrape. The HTTP server
+and emits every family of :data:`collector.metrics.METRICS` it has data for: the sampler's own
+figures here, each process's newest step through the per-step series table
+(:data:`collector.model.series.SERIES`). Its ``describe()`` is the table itself, so the
+registry checks the names once, when the collector is registered. A snapshot that fails to
+build is logged and skipped — a collector never breaks a scrape. The HTTP server
 serves prometheus-client's WSGI app (``GET /metrics`` and ``HEAD`` only; nothing accepts
 writes) with bounds of its own: at most :data:`MAX_CONNECTIONS` connections at once (one more
 is closed at once and counted) and :data:`IDLE_TIMEOUT_S` for a client to send its request, so
@@ -26,16 +29,15 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from collector.export.values import step_values
 from collector.metrics import (
     DROP_REASONS,
     ERROR_KINDS,
-    GPU_LABELS,
     METRICS,
     REMOTE_WRITE_DROP_REASONS,
 )
-from collector.records import Stat
-from collector.settings import DEFAULT_WINDOW_S
+from collector.model.series import GPU_LABELS, step_values
+from collector.model.settings import DEFAULT_WINDOW_S
+from collector.model.step import StepRecord
 
 __all__ = ["SamplerCollector", "Snapshot", "serve"]
 
@@ -49,11 +51,6 @@ IDLE_TIMEOUT_S = 5.0  # a connection that sends nothing this long is closed
 class Snapshot:
     """What one GPU's sampler knows at scrape time."""
 
-    @property
-    def last_record(self) -> dict[str, Any] | None:
-        """The newest step of any process on this GPU."""
-        return max(self.last_records, key=lambda r: r["end_ns"], default=None)
-
     labels: dict[str, str]  # GPU_LABELS → values
     total_bytes: int
     used_bytes: int | None = None
@@ -61,7 +58,7 @@ class Snapshot:
     window_s: float = DEFAULT_WINDOW_S
     window_max_bytes: int | None = None
     window_min_bytes: int | None = None
-    last_records: list[dict[str, Any]] = field(default_factory=list)  # the newest per rank
+    last_records: list[StepRecord] = field(default_factory=list)  # the newest per rank
     samples_total: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     missed_deadlines: int = 0
@@ -72,6 +69,11 @@ class Snapshot:
     steps_joined: int = 0
     remote_write: dict[str, Any] = field(default_factory=dict)
     processes: dict[str, int] = field(default_factory=dict)  # process label → bytes
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The newest step of any process on this GPU."""
+        return max(self.last_records, key=lambda r: r.end_ns, default=None)
 
 
 def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
@@ -86,13 +88,7 @@ def _values(s: Snapshot) -> Iterable[tuple[str, dict[str, str], float]]:
         yield "stepmem_nvml_used_window_max_bytes", {}, s.window_max_bytes
         yield "stepmem_nvml_used_window_min_bytes", {}, s.window_min_bytes or 0
     for rec in s.last_records:  # one process's newest step each (ranks sharing the GPU)
-        rank = {"rank": str(rec.get("rank") or 0)}
         yield from step_values(rec)
-        yield "stepmem_step_gap", rank, 1 if rec.get("gap") else 0
-        te = rec.get("torch_end") or {}
-        if Stat.RETRIES in te:
-            yield "stepmem_torch_alloc_retries_total", rank, te[Stat.RETRIES]
-            yield "stepmem_torch_ooms_total", rank, te.get(Stat.OOMS, 0)
     yield "stepmem_sampler_samples_total", {}, s.samples_total
     for kind, n in (dict.fromkeys(ERROR_KINDS, 0) | s.errors).items():
         yield "stepmem_sampler_errors_total", {"kind": kind}, n
@@ -119,15 +115,12 @@ class SamplerCollector:
         self._snapshots = snapshots
 
     def describe(self) -> list[Metric]:
-        return []  # do not collect at registration time
+        """Every family this collector can emit, empty (the registry checks their names at
+        registration; no snapshot is read then)."""
+        return list(_families().values())
 
     def collect(self) -> Iterable[Metric]:
-        families: dict[str, Metric] = {}
-        for m in METRICS:
-            cls = CounterMetricFamily if m.type == "counter" else GaugeMetricFamily
-            # CounterMetricFamily wants the name without _total; it adds the suffix back.
-            name = m.name.removesuffix("_total") if m.type == "counter" else m.name
-            families[m.name] = cls(name, m.help, labels=list(m.labels))
+        families = _families()
         try:
             snapshots = self._snapshots()
         except Exception:
@@ -144,6 +137,20 @@ class SamplerCollector:
         return [f for f in families.values() if f.samples]
 
 
+def _families() -> dict[str, Metric]:
+    """An empty family for every metric of the table this collector emits (the baseline
+    recording rule's is Prometheus' own)."""
+    families: dict[str, Metric] = {}
+    for m in METRICS:
+        if "workload" not in m.labels or "gpu" not in m.labels:
+            continue
+        cls = CounterMetricFamily if m.type == "counter" else GaugeMetricFamily
+        # CounterMetricFamily wants the name without _total; it adds the suffix back.
+        name = m.name.removesuffix("_total") if m.type == "counter" else m.name
+        families[m.name] = cls(name, m.help, labels=list(m.labels))
+    return families
+
+
 class _QuietHandler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # socket timeout for every read: an idle client is dropped
 
@@ -157,6 +164,10 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    # the listen backlog (socketserver's default is 5): a burst of connections waits to be
+    # accepted — and closed at once when every slot is taken — instead of having its SYNs
+    # dropped and retried a second later (a scrape arriving in such a burst included)
+    request_queue_size = 128
 
     def server_activate(self) -> None:
         super().server_activate()
@@ -188,8 +199,8 @@ def serve(collector: SamplerCollector, addr: str, port: int = 0) -> tuple[Any, i
     Returns the server and the port it bound. ``addr`` is the node's own address by default at
     the call sites; pass ``0.0.0.0`` only when all interfaces are really wanted.
     """
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    registry = CollectorRegistry()
+    registry.register(collector)  # describe(): names checked now, duplicates refused
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     server_cls = type("Server", (BoundedServer,), {"address_family": family[0][0]})
     server = make_server(

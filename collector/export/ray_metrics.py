@@ -14,21 +14,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.records import Stat
+from collector.model.series import SERIES
 
 __all__ = ["RAY_GAUGES", "RayGauges"]
 
 TAGS = ("node", "gpu", "gpu_uuid", "run")
-# name → (help, what of a sampler snapshot)
+# name → help: the sampler's window, and the newest step's per-step series marked for Ray
 RAY_GAUGES = {
     "stepmem_nvml_used_window_max_bytes": "Largest NVML used sample over the sampler's trailing "
     "window (longer than Ray's export interval).",
     "stepmem_headroom_bytes": "NVML total minus that window maximum.",
-    "stepmem_last_step_nvml_peak_bytes": "The newest joined step's within-step NVML peak.",
-    "stepmem_last_step_torch_reserved_peak_bytes": "The newest joined step's torch reserved peak.",
-    "stepmem_last_step": "The newest joined step's number.",
-    "stepmem_torch_ooms": "CUDA out-of-memory errors the allocator counted in the run so far.",
-    "stepmem_torch_alloc_retries": "Allocations the allocator retried after freeing its cache.",
+    **{
+        row.ray_gauge: f"The newest joined step's {row.metric.name}: {row.metric.help}"
+        for row in SERIES
+        if row.ray_gauge
+    },
 }
 
 
@@ -50,19 +50,10 @@ class RayGauges:
             out["stepmem_nvml_used_window_max_bytes"] = snap.window_max_bytes
             out["stepmem_headroom_bytes"] = snap.total_bytes - snap.window_max_bytes
         rec = snap.last_record
-        if rec:
-            out["stepmem_last_step"] = rec["step"]
-            if rec.get("nvml_peak_bytes") is not None:
-                out["stepmem_last_step_nvml_peak_bytes"] = rec["nvml_peak_bytes"]
-            if rec.get("torch_reserved_peak_bytes") is not None:
-                out["stepmem_last_step_torch_reserved_peak_bytes"] = rec[
-                    "torch_reserved_peak_bytes"
-                ]
-            te = rec.get("torch_end") or {}
-            if Stat.OOMS in te:
-                out["stepmem_torch_ooms"] = te[Stat.OOMS]
-            if Stat.RETRIES in te:
-                out["stepmem_torch_alloc_retries"] = te[Stat.RETRIES]
+        if rec is not None:
+            for row in SERIES:
+                for _, v in row.values(rec) if row.ray_gauge else ():
+                    out[row.ray_gauge] = v
         return out
 
     def update(self, snap: Any) -> None:

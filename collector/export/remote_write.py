@@ -46,9 +46,10 @@ from typing import Any
 
 import cramjam
 
-from collector.errors import InputError
-from collector.export.values import step_values
 from collector.metrics import PUSH_JOB, PUSH_SAMPLES_JOB
+from collector.model.errors import InputError
+from collector.model.series import step_values
+from collector.model.step import StepRecord
 
 RETRY_AFTER_MAX_S = 60.0
 # Prometheus' staleness marker: a NaN with this exact bit pattern ends a series
@@ -294,10 +295,11 @@ class RemoteWriter:
         if full and not self._retrying:  # during backoff, wait it out
             self._wake.set()
 
-    def push_step(self, labels: dict[str, str], rec: dict[str, Any], wall_offset_ns: int) -> None:
-        """Every per-step value of ``rec`` at its step-end time (monotonic + ``wall_offset_ns``)."""
-        t_ms = (rec["end_ns"] + wall_offset_ns) // 1_000_000
-        for name, extra, value in step_values(rec):
+    def push_step(self, labels: dict[str, str], rec: StepRecord, wall_offset_ns: int) -> None:
+        """Every pushed per-step value of ``rec`` (:data:`collector.model.series.SERIES`) at its
+        step-end time (monotonic + ``wall_offset_ns``)."""
+        t_ms = (rec.end_ns + wall_offset_ns) // 1_000_000
+        for name, extra, value in step_values(rec, pushed_only=True):
             self.push(name, {**labels, **extra}, t_ms, float(value))
 
     def push_samples(

@@ -36,12 +36,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from collector.probe.ledger import LEDGER_KINDS, LIVE_KINDS, LedgerCache, UnshardWatch, ledger
+from collector.model.kinds import LEDGER_KINDS, LIVE_KINDS, LedgerFigure, MemoryKind
+from collector.model.prediction import Estimate, load_estimate
+from collector.model.records import ERROR_PREFIX, Stat, StepEvent
+from collector.model.series import SERIES
+from collector.model.units import GIB
+from collector.probe.ledger import LedgerCache, UnshardWatch
 from collector.probe.outbox import Outbox, RaySamplers
 from collector.probe.recording import HISTORY_STEPS, AllocationHistory
-from collector.records import ERROR_PREFIX, ESTIMATE_KEY, Stat, StepEvent
 
-__all__ = ["TORCH_KEYS", "LedgerCache", "Outbox", "StepProbe", "cuda_uuid", "ledger"]
+__all__ = ["TORCH_KEYS", "StepProbe", "cuda_uuid"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,6 @@ CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ran
 ESTIMATE_ENV = "STEPMEM_ESTIMATE"  # an estimate (JSON) whose predicted peak each end event carries
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 _LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
-GIB = 1 << 30
 
 
 def allocator_mode() -> dict[str, int]:
@@ -178,9 +181,9 @@ class StepProbe:
     snapshot on out-of-memory (:class:`collector.probe.recording.AllocationHistory`). Each begin
     event also carries the process's pid and the allocator's mode (:func:`allocator_mode`).
     ``estimate`` (default: ``STEPMEM_ESTIMATE``; a ``stepmem estimate --out`` file or its
-    :class:`collector.estimate.Estimate`) puts the predicted allocated peak beside the ledger of
-    each end event (``estimate_peak``; exported as ``stepmem_step_estimate_peak_bytes``) when the
-    probe watches a model; an unreadable file is counted in ``errors`` and training goes on.
+    :class:`collector.model.prediction.Estimate`) puts the predicted allocated peak in each end
+    event (``estimate_peak``; exported as ``stepmem_step_estimate_peak_bytes``) when the probe
+    watches a model; an unreadable file is counted in ``errors`` and training goes on.
     """
 
     def __init__(
@@ -233,8 +236,6 @@ class StepProbe:
         if estimate is None:
             return None
         try:
-            from collector.estimate import Estimate, load_estimate
-
             est = estimate if isinstance(estimate, Estimate) else load_estimate(Path(estimate))
             return est.peak
         except Exception as exc:  # a bad file costs the training job nothing: counted, said once
@@ -364,7 +365,7 @@ class StepProbe:
             dev = torch.device("cpu") if d == CPU else torch.device("cuda", d)
             out[d] = by_device.get(dev, dict.fromkeys(LEDGER_KINDS, 0))
             if unsharded is not None:  # one device a rank under FSDP2
-                out[d]["unsharded_parameters_peak"] = unsharded
+                out[d][LedgerFigure.UNSHARDED_PEAK] = unsharded
         return out
 
     def _mark(self, kind: str, step: int, phase: str = "") -> None:
@@ -378,11 +379,9 @@ class StepProbe:
                 torch_stats.update(self._mode)
             led = ledgers.get(d, {})
             if led and Stat.ALLOCATED in torch_stats:
-                led["other_allocated"] = torch_stats[Stat.ALLOCATED] - sum(
+                led[MemoryKind.OTHER_ALLOCATED] = torch_stats[Stat.ALLOCATED] - sum(
                     led.get(k, 0) for k in LIVE_KINDS
                 )
-            if led and self.estimate_peak is not None:
-                led[ESTIMATE_KEY] = self.estimate_peak
             ev = StepEvent(
                 kind=kind,
                 step=step,
@@ -395,6 +394,7 @@ class StepProbe:
                 pid=self._pid,
                 rank=self._rank,
                 world_size=self._world,
+                estimate_peak=self.estimate_peak if led else None,
             )
             d_ev = self.outbox.put(ev)
             if torch_stats:  # the allocator's peaks since the last metrics() (trackers)
@@ -515,13 +515,13 @@ class StepProbe:
             out["stepmem/estimate_peak_gib"] = self.estimate_peak / GIB
         self.outbox.want_newest = True
         self.outbox.wake()  # collect the answer to the last ask and ask again, on the sender
-        joined = [r for r in self.outbox.newest.values() if r.get("nvml_peak_bytes") is not None]
+        joined = [r for r in self.outbox.newest.values() if r.measured]
         if joined:
-            top = max(joined, key=lambda r: r["nvml_peak_bytes"])
-            out["stepmem/nvml_peak_gib"] = top["nvml_peak_bytes"] / GIB
-            if top.get("nvml_end_bytes") is not None:
-                out["stepmem/nvml_end_gib"] = top["nvml_end_bytes"] / GIB
-            out["stepmem/nvml_step"] = float(top["step"])
+            top = max(joined, key=lambda r: r.nvml_peak_bytes or 0)
+            for row in SERIES:
+                for _, v in row.values(top) if row.tracker else ():
+                    scale = GIB if row.metric.unit == "bytes" else 1
+                    out[f"stepmem/{row.tracker}"] = v / scale
         return out
 
     @_never_raises

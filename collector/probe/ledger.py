@@ -23,19 +23,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["LEDGER_KINDS", "LedgerCache", "UnshardWatch", "ledger"]
+from collector.model.kinds import LEDGER_KINDS, LedgerFigure, MemoryKind
+
+__all__ = ["LedgerCache", "UnshardWatch", "ledger"]
 
 log = logging.getLogger(__name__)
-
-LEDGER_KINDS = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "optimizer_state_managed",
-    "gradient_buckets",
-)
-# kinds that are live tensors at step end, by the allocator (``other_allocated`` is the rest)
-LIVE_KINDS = ("parameters", "gradients", "optimizer_state", "gradient_buckets")
 
 
 def _local(t: Any) -> Any:
@@ -91,17 +83,17 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
 
     if model is not None:
         for p in model.parameters():
-            add(_local(p).device, "parameters", p)
+            add(_local(p).device, MemoryKind.PARAMETERS, p)
             if p.grad is not None:
-                add(_local(p.grad).device, "gradients", p.grad)
+                add(_local(p.grad).device, MemoryKind.GRADIENTS, p.grad)
         ddp = _ddp_of(model)
         if ddp is not None:
             buckets, views = _ddp_buckets(ddp)
             dev = next((_local(p).device for p in ddp.parameters()), None)
             if dev is not None and buckets:
                 led = out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))
-                led["gradient_bucket_bytes"] = buckets
-                led["gradient_buckets"] = 0 if views else buckets
+                led[LedgerFigure.BUCKET_BYTES] = buckets
+                led[MemoryKind.GRADIENT_BUCKETS] = 0 if views else buckets
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
@@ -109,9 +101,9 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
                     continue
                 if getattr(v, "is_paged", False):
                     dev = torch.device("cuda", getattr(v, "page_deviceid", 0) or 0)
-                    add(dev, "optimizer_state_managed", v)
+                    add(dev, MemoryKind.OPTIMIZER_STATE_MANAGED, v)
                 else:
-                    add(_local(v).device, "optimizer_state", v)
+                    add(_local(v).device, MemoryKind.OPTIMIZER_STATE, v)
     return out
 
 
@@ -148,11 +140,11 @@ class LedgerCache:
             self._taken_at = step
             self.full_passes += 1
             for led in self._static.values():
-                led["gradients"] = 0
+                led[MemoryKind.GRADIENTS] = 0
         out = {dev: dict(led) for dev, led in self._static.items()}
         for p, dev, nbytes in self._params:
             if p.grad is not None:
-                out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))["gradients"] += nbytes
+                out.setdefault(dev, dict.fromkeys(LEDGER_KINDS, 0))[MemoryKind.GRADIENTS] += nbytes
         return out
 
 

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from collector.records import StepEvent
+from collector.model.records import StepEvent
+from collector.model.step import StepRecord
 
 __all__ = ["EVENTS_KEPT", "SPOOL_ENV", "Outbox", "RaySamplers", "SpoolReader", "ray_process_label"]
 
@@ -76,7 +77,7 @@ class Outbox:
         # The newest joined step record of each GPU, fetched by the sender thread once
         # something asked for it (:meth:`StepProbe.metrics`): never waited on.
         self.want_newest = False
-        self.newest: dict[str, dict[str, Any]] = {}
+        self.newest: dict[str, StepRecord] = {}
         self._asks: dict[str, Any] = {}  # GPU → ObjectRef of a newest_record call in flight
         self._registered: set[str] = set()  # samplers told this process's Ray name
 

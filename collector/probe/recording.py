@@ -1,6 +1,6 @@
 """Allocation history with Python stacks, recorded in the training process for a few steps
 (the first ones, the step after a jump of torch reserved, and at out-of-memory) and saved where
-:mod:`collector.history` reads it."""
+:mod:`collector.analysis.history` reads it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""Steps the sampler did not measure (no NVML sample inside them), and a sampler that fell
+behind (``undersampled``, ``stale_end``): named, counted, and left out of every NVML figure."""
+
+from __future__ import annotations
+
+from collector.analysis.diagnosis.kinds import Finding, FindingKind
+from collector.analysis.diagnosis.steps import Steps
+from collector.analysis.diagnosis.text import steps_text
+from collector.model.kinds import Gap
+
+
+def rule(s: Steps) -> list[Finding]:
+    out = []
+    recs = s.all_steps
+    missing = [r for r in recs if not r.measured]
+    if missing:
+        why = sorted({r.gap or "no_samples" for r in missing})
+        out.append(
+            Finding(
+                FindingKind.UNMEASURED,
+                f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
+                f"{steps_text([r.step for r in missing])}; {', '.join(why)}): their NVML "
+                "figures are unknown, not zero, and are left out below.",
+                {"steps": len(missing), "of": len(recs), "gaps": why},
+                detail=(
+                    f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
+                    f"{steps_text([r.step for r in missing])}; {', '.join(why)}): the sampler "
+                    "read nothing inside them — steps shorter than the sampling period (a "
+                    "replay sped up with --speed, a fast workload at a low --rate), a sampler "
+                    "starved of CPU, or NVML errors. Their NVML figures are unknown, not zero; "
+                    "the findings below leave them out."
+                ),
+            )
+        )
+    under = [r for r in recs if r.has_gap(Gap.UNDERSAMPLED)]
+    stale = [r for r in recs if r.has_gap(Gap.STALE_END)]
+    if under or stale:
+        parts = []
+        if under:
+            parts.append(
+                f"{len(under)} of {len(recs)} steps got under half the samples the rate promised "
+                f"(step {steps_text([r.step for r in under])}): a short transient may be missed"
+            )
+        if stale:
+            parts.append(
+                f"{len(stale)} end readings are older than the end mark (step "
+                f"{steps_text([r.step for r in stale])}): left out"
+            )
+        out.append(
+            Finding(
+                FindingKind.STARVED,
+                "The sampler fell behind (too little CPU, or a stalled NVML): "
+                + "; ".join(parts)
+                + ".",
+                {"undersampled": len(under), "stale_end": len(stale), "of": len(recs)},
+            )
+        )
+    return out

@@ -1,0 +1,266 @@
+"""``report --estimate``: an estimate (:class:`collector.model.prediction.Estimate`) held against a
+measured run, component by component, each difference named with the measurement that
+explains it (what a tracker cannot see: the allocator's cache, memory outside torch, managed
+memory, other processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from collector.analysis.accounting import accounts
+from collector.analysis.runs import Run
+from collector.model.account import Account
+from collector.model.kinds import LedgerFigure, MemoryKind
+from collector.model.prediction import Estimate
+from collector.model.step import StepRecord
+from collector.model.units import GIB, gib_figure
+
+__all__ = ["Row", "reconcile", "reconcile_run", "render_reconciliation"]
+
+OFF_SHARE = 0.05  # a predicted figure this far from the measured one is named
+
+
+@dataclass
+class Row:
+    component: str
+    predicted: int | None
+    measured: int | None
+    explains: str = ""
+
+    @property
+    def difference(self) -> int | None:
+        if self.predicted is None or self.measured is None:
+            return None
+        return self.measured - self.predicted
+
+
+def _stored(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
+    """What the ledger measures against what the estimate predicts to stay, and the peaks."""
+    led = steady.ledger
+    rows = [
+        Row(
+            MemoryKind.PARAMETERS.words,
+            est.at_end.get(MemoryKind.PARAMETERS),
+            led.get(MemoryKind.PARAMETERS),
+        ),
+        Row(
+            "optimizer state (device)",
+            est.at_end.get(MemoryKind.OPTIMIZER_STATE),
+            led.get(MemoryKind.OPTIMIZER_STATE),
+        ),
+        Row(
+            "optimizer state (managed)",
+            est.optimizer_state_managed,
+            led.get(MemoryKind.OPTIMIZER_STATE_MANAGED, 0) if led else None,
+        ),
+    ]
+    if MemoryKind.GRADIENTS in est.at_end:
+        rows.append(
+            Row(
+                "gradients (kept between steps)",
+                est.at_end[MemoryKind.GRADIENTS],
+                led.get(MemoryKind.GRADIENTS),
+            )
+        )
+    if LedgerFigure.UNSHARDED_PEAK in led:
+        rows.append(
+            Row(
+                "unsharded parameters at their peak (FSDP2 all-gather)",
+                est.unsharded_peak or est.steady.get(MemoryKind.UNSHARDED_PARAMETERS, 0),
+                led[LedgerFigure.UNSHARDED_PEAK],
+                "measured: the probe's watch of FSDP2's unshard",
+            )
+        )
+    rows.append(Row("step 1 allocated peak", est.first_peak, first.torch_allocated_peak_bytes))
+    rows.append(
+        Row(f"step {steady.step} allocated peak", est.peak, steady.torch_allocated_peak_bytes)
+    )
+    return rows
+
+
+def _rest(est: Estimate, steady: StepRecord) -> tuple[Row | None, str | None]:
+    """Gradients, activations and temporaries at the peak: the allocated peak less what the
+    ledger says stays; and the sentence naming a difference beyond :data:`OFF_SHARE`."""
+    alloc_peak, led = steady.torch_allocated_peak_bytes, steady.ledger
+    if alloc_peak is None or not led:
+        return None, None
+    persistent = sum(est.steady.get(k, 0) for k in (MemoryKind.PARAMETERS, MemoryKind.BUFFERS))
+    persistent += est.at_end.get(MemoryKind.OPTIMIZER_STATE, 0)
+    measured = (
+        alloc_peak - led.get(MemoryKind.PARAMETERS, 0) - led.get(MemoryKind.OPTIMIZER_STATE, 0)
+    )
+    predicted = est.peak - persistent
+    row = Row(
+        "gradients + activations + temporaries at the peak",
+        predicted,
+        measured,
+        "measured: allocated peak − parameters − optimizer state (ledger)",
+    )
+    off = measured - predicted
+    if not (predicted > 0 and abs(off) > OFF_SHARE * predicted):
+        return row, None
+    return row, (
+        f"Activations and temporaries at step {steady.step}'s peak: {gib_figure(off)} GiB "
+        f"{'more' if off > 0 else 'less'} than predicted ({off / predicted:+.0%})"
+        + (
+            ": this estimate ran on the CPU standing in for CUDA, whose attention and "
+            "autocast kernels save different tensors; `stepmem estimate` on a GPU "
+            "machine traces CUDA's kernels (fake tensors: no device memory used)."
+            if est.stand_in
+            else ": kernels or code paths the trace did not take (a different attention "
+            "implementation, a different batch)."
+        )
+    )
+
+
+def _jump(est: Estimate, first: StepRecord, steady: StepRecord) -> str | None:
+    """Step 1 → step 2: the peak the optimizer state (and kept gradients) added."""
+    alloc_peak = steady.torch_allocated_peak_bytes
+    if first is steady or first.torch_allocated_peak_bytes is None or not alloc_peak:
+        return None
+    jump_p = est.peak - est.first_peak
+    jump_m = alloc_peak - first.torch_allocated_peak_bytes
+    if not (jump_p > 0 or jump_m > 0):
+        return None
+    state = est.at_end.get(MemoryKind.OPTIMIZER_STATE, 0)
+    kept = est.at_end.get(MemoryKind.GRADIENTS, 0)
+    what = f"optimizer state ({gib_figure(state)} GiB on the device)" + (
+        f" and the gradients kept from step 1 ({gib_figure(kept)} GiB)" if kept else ""
+    )
+    return (
+        f"Step 1 → step {steady.step}: allocated peak +{gib_figure(jump_m)} GiB measured, "
+        f"+{gib_figure(jump_p)} GiB predicted: {what} — made after step 1's forward/backward, "
+        "resident in every later step's forward and backward."
+    )
+
+
+def _cache(steady: StepRecord) -> Row | None:
+    res_peak, alloc_peak = steady.torch_reserved_peak_bytes, steady.torch_allocated_peak_bytes
+    if res_peak is None or alloc_peak is None:
+        return None
+    return Row(
+        "allocator cache at the peak (reserved − allocated)",
+        0,
+        res_peak - alloc_peak,
+        f"not predictable by a tracker: cached-free blocks; "
+        f"{gib_figure(steady.inactive_split_end)} GiB in inactive split blocks at step end",
+    )
+
+
+def _outside(est: Estimate, acc: Account, step: int) -> list[Row]:
+    """This process outside torch, managed memory and other processes, by the accounting."""
+    rows = [
+        Row(
+            "this process outside torch (CUDA context, cuBLAS, NCCL)",
+            0,
+            acc.baseline + (acc.outside or 0),
+            f"at step {step}'s end; of it {gib_figure(acc.first_use)} GiB appeared on first "
+            "use (workspaces, communicator buffers)",
+        )
+    ]
+    if acc.unsplit is None:
+        rows.append(
+            Row(
+                "CUDA managed memory, charged to no process",
+                est.optimizer_state_managed,
+                acc.no_process or 0,
+                "paged optimizer state lives here",
+            )
+        )
+        rows.append(Row("other processes on the GPU", 0, acc.other_processes))
+    else:
+        rows.append(
+            Row(
+                "outside torch beyond the baseline (no per-process reading)",
+                est.optimizer_state_managed,
+                acc.unsplit,
+                "managed memory and other processes together",
+            )
+        )
+    return rows
+
+
+def _mismatches(rows: list[Row]) -> list[str]:
+    """The stored figures (parameters, state, kept gradients) that differ beyond
+    :data:`OFF_SHARE`: a sign the run is not the model or optimizer estimated."""
+    out = []
+    for row in rows[:3] + [r for r in rows if r.component.startswith("gradients (kept")]:
+        d = row.difference
+        if d is not None and row.predicted and abs(d) > OFF_SHARE * row.predicted:
+            out.append(
+                f"{row.component}: predicted {gib_figure(row.predicted)} GiB, measured "
+                f"{gib_figure(row.measured or 0)} GiB ({d / row.predicted:+.1%}): the run's "
+                "model or optimizer is not the one estimated?"
+            )
+    return out
+
+
+def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], list[str]]:
+    """Predicted against measured for one process's records on one GPU: rows of the table and
+    the differences named with the measurement that explains them."""
+    recs = [r for r in records if not r.failed and r.has_torch]
+    if not recs:
+        return [], ["no measured step with allocator figures: nothing to reconcile"]
+    first, steady = recs[0], (recs[1] if len(recs) > 1 else recs[0])
+    rows = _stored(est, first, steady)
+    named: list[str] = []
+    rest, off = _rest(est, steady)
+    rows += [rest] if rest is not None else []
+    named += [off] if off else []
+    jump = _jump(est, first, steady)
+    named += [jump] if jump else []
+    cache = _cache(steady)
+    rows += [cache] if cache is not None else []
+    if steady.managed or est.optimizer_state_managed:
+        named.append(
+            f"Managed (paged) optimizer state: {gib_figure(steady.managed)} GiB measured, "
+            f"{gib_figure(est.optimizer_state_managed)} GiB predicted — outside torch's pool: "
+            "torch's figures never show it, NVML counts it once its pages sit on the GPU."
+        )
+    acc = next((a for a in accounts(recs) if a.step == steady.step), None)
+    rows += _outside(est, acc, steady.step) if acc is not None else []
+    if steady.nvml_peak_bytes is not None:
+        rows.append(
+            Row(
+                f"NVML used, step {steady.step}'s within-step peak",
+                est.peak + est.optimizer_state_managed,
+                steady.nvml_peak_bytes,
+                "what nvidia-smi shows: everything above",
+            )
+        )
+    return rows, named + _mismatches(rows)
+
+
+def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> str:
+    lines = [
+        "Predicted vs measured (GiB; estimate of "
+        f"{est.spec.get('size') or 'a config'}, {est.spec.get('optim')})",
+        f"  {'component':<58}{'predicted':>10}{'measured':>10}{'diff':>9}{'':>9}",
+    ]
+    for r in rows:
+        p = "—" if r.predicted is None else gib_figure(r.predicted)
+        m = "—" if r.measured is None else gib_figure(r.measured)
+        d = r.difference
+        pct = f"{d / r.predicted:+.1%}" if d is not None and r.predicted else ""
+        lines.append(
+            f"  {r.component:<58}{p:>10}{m:>10}{'' if d is None else f'{d / GIB:+.2f}':>9}{pct:>9}"
+        )
+        if r.explains:
+            lines.append(f"  {'':<4}{r.explains}")
+    lines.extend(f" • {n}" for n in named)
+    return "\n".join(lines)
+
+
+def reconcile_run(run: Run, est: Estimate) -> str:
+    """The reconciliation of every GPU of ``run`` with ``est``: per GPU, its training process
+    (the stream with the most steps, when ranks share the GPU)."""
+    parts = []
+    for uuid in run.gpus:
+        streams = run.streams_of(uuid)
+        main = max(streams, key=lambda s: len(s.records))
+        rows, named = reconcile(est, main.records)
+        several = len([s for s in streams if s.records]) > 1
+        head = f"GPU {uuid}" + (f", process {main.pid}" if several else "")
+        parts.append(f"{head}\n{render_reconciliation(est, rows, named)}")
+    return "\n\n".join(parts)

@@ -1,0 +1,536 @@
+"""``stepmem report``: a run's per-step tables and its diagnosis, as text.
+
+Reading a run is :mod:`collector.analysis.runs`; comparing two is
+:mod:`collector.analysis.compare`; what the findings say is :mod:`collector.analysis.diagnosis`.
+Everything a run store or records file says is data: it is printed as plain text (never as Rich
+markup) and nothing in it is executed.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from collector.analysis.diagnosis import Finding, FindingKind, diagnose, steps_text, verdict
+from collector.analysis.diagnosis.fleet import Ranked, imbalance
+from collector.analysis.runs import Run, Stream
+from collector.model.kinds import MemoryKind
+from collector.model.records import SamplerInfo
+from collector.model.step import StepRecord
+from collector.model.units import gib, gib_figure
+
+__all__ = ["render_report"]
+
+TABLE_ROWS = 40  # a stream with more steps shows its first and last ones and the notable ones
+EDGE_ROWS = 15
+COLUMNS = (
+    "step",
+    "nvml peak",
+    "nvml end",
+    "alloc peak",
+    "alloc end",
+    "resv peak",
+    "resv end",
+    "non-torch",
+    "params",
+    "grads",
+    "opt state",
+    "managed",
+    "gap",
+)
+
+
+def _c(v: float | None, missing: str = "") -> str:
+    return missing if v is None else gib_figure(v)
+
+
+def _row(r: StepRecord, seq: bool, shared: bool = False) -> list[str]:
+    led = r.ledger
+    gap = " ".join(x for x in (r.gap, r.failed and "FAILED") if x)
+    return [
+        *([str(r.seq)] if seq else []),
+        str(r.step),
+        _c(r.nvml_peak_bytes, "—"),  # not measured: no sample inside the step
+        _c(r.nvml_end_bytes, "—"),
+        _c(r.torch_allocated_peak_bytes),
+        _c(r.allocated_end),
+        _c(r.torch_reserved_peak_bytes),
+        _c(r.reserved_end),
+        "—" if shared else _c(r.nontorch_end),  # a shared GPU's NVML is every rank's
+        _c(led.get(MemoryKind.PARAMETERS)),
+        _c(led.get(MemoryKind.GRADIENTS)),
+        _c(led.get(MemoryKind.OPTIMIZER_STATE)),
+        _c(led.get(MemoryKind.OPTIMIZER_STATE_MANAGED)),
+        gap,
+    ]
+
+
+def shown_rows(recs: list[StepRecord], all_steps: bool = False) -> list[int | None]:
+    """Which records a table shows: all of a short stream; of a long one the first and last
+    :data:`EDGE_ROWS`, the highest NVML peak, and every failed or gapped step up to the table's
+    size. ``None`` marks where steps are left out."""
+    n = len(recs)
+    if all_steps or n <= TABLE_ROWS:
+        return list(range(n))
+    keep = set(range(EDGE_ROWS)) | set(range(n - EDGE_ROWS, n))
+    peaked = [i for i in range(n) if recs[i].measured]
+    if peaked:
+        keep.add(max(peaked, key=lambda i: recs[i].nvml_peak_bytes or 0))
+    odd = [i for i in range(n) if recs[i].failed or recs[i].gap]
+    for i in odd[: TABLE_ROWS - len(keep)]:
+        keep.add(i)
+    out: list[int | None] = []
+    for i in sorted(keep):
+        if out and out[-1] is not None and i != out[-1] + 1:
+            out.append(None)
+        out.append(i)
+    return out
+
+
+def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
+    from rich.table import Table
+
+    recs = stream.records
+    seq = stream.steps_repeat
+    title = f"GPU {stream.gpu} {stream.gpu_uuid}{stream.label(several)} — memory per step (GiB)"
+    table = Table(title=title, title_justify="center")
+    for col in ("#", *COLUMNS) if seq else COLUMNS:
+        table.add_column(col, justify="right")
+    rows = shown_rows(recs, all_steps)
+    for k, i in enumerate(rows):
+        if i is None:
+            nxt = rows[k + 1]
+            prev = rows[k - 1]
+            assert nxt is not None and prev is not None
+            left = nxt - prev - 1
+            table.add_row(*(["⋯"] * (len(COLUMNS) + seq - 1)), f"{left} steps")
+            continue
+        table.add_row(*_row(recs[i], seq, several))
+    if several:
+        table.caption = (
+            "This GPU is shared by several ranks: NVML figures are the whole device's, so "
+            "non-torch is left out here; each rank's own memory outside torch is in its "
+            "accounting below."
+        )
+    return table
+
+
+def render_report(
+    run: Run, verbose: bool = False, all_steps: bool = False
+) -> tuple[str, dict[tuple[str, int], list[Finding]]]:
+    """The report as text (tables + findings) and the findings per stream ((GPU, pid))."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(width=150, record=True, file=io.StringIO(), highlight=False)
+    findings = {}
+    title = Text(f"Run {run.name}", style="bold")
+    title.append(f" — {run.meta.get('banner', '')}", style="")
+    console.print(title)
+    for line in status_lines(run.meta):
+        console.print(Text(line, style="bold"))
+    quality = sampling_line(run.meta, run.samplers)
+    if quality:
+        console.print(Text(quality))
+    repeat = [s for s in run.streams if s.steps_repeat]
+    if repeat:
+        console.print(
+            Text(
+                "Step numbers repeat (the caller restarts them, e.g. each epoch): every step "
+                "is kept, numbered # in the order it ran; the diagnosis names steps by that #."
+            )
+        )
+    doc = _history(run)
+    history = {s["step"]: s for s in doc["steps"]} if isinstance(doc, dict) else {}
+    for stream in run.streams:
+        several = len(run.streams_of(stream.gpu_uuid)) > 1
+        console.print(_table(run, stream, several, all_steps))
+        # the history is the first GPU of rank 0's process: its sites belong to that stream
+        sites = history if stream is _history_stream(run) else {}
+        fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose)
+        findings[(stream.gpu_uuid, stream.pid)] = fs
+        head = verdict(fs)
+        if head:
+            console.print(Text("Verdict", style="bold"))
+            for line in head:
+                console.print(Text(f" {line}"))
+        console.print(Text("Findings", style="bold"))
+        hidden = 0
+        for f in fs:
+            if f.minor and not verbose:
+                hidden += 1
+                continue
+            console.print(Text(f" • {f.shown(verbose)}"))
+            if f.kind is FindingKind.OOM:
+                lead = _lead_up(run, stream, f.numbers["step"])
+                if lead:
+                    console.print(Text(f"   {lead}"))
+        if hidden:
+            console.print(
+                Text(f" ({hidden} finding(s) under the noise floor left out: --verbose shows them)")
+            )
+    if len(run.streams) > 1:
+        _fleet(run, console)
+    if doc is not None and run.root is not None:
+        _sites(run.root / "history", doc, console)
+    return console.export_text(), findings
+
+
+def _history_stream(run: Run) -> Stream | None:
+    """The stream the allocation history belongs to: rank 0's first GPU."""
+    ranked = sorted(run.streams, key=lambda s: (s.rank, s.gpu))
+    return ranked[0] if ranked else None
+
+
+def _history(run: Run) -> dict[str, Any] | str | None:
+    """The allocation history's summary (read once: the findings cite it, the sites section
+    shows it); a string saying why it is unreadable; None without one (or with one whose
+    steps never ended)."""
+    if run.root is None or not (run.root / "history").is_dir():
+        return None
+    from collector.analysis import history
+
+    try:
+        return history.summary(run.root / "history", top=3)
+    except FileNotFoundError:  # recording started but its steps never ended
+        return None
+    except history.HistoryError as exc:
+        return str(exc)
+
+
+def _sites(folder: Path, doc: dict[str, Any] | str, console: Any) -> None:
+    """Which lines allocated it: the probe's allocation history (first GPU of the process)."""
+    from rich.text import Text
+
+    if isinstance(doc, str):
+        console.print(Text(f"Allocation sites: the history in {folder} is unreadable ({doc})"))
+        return
+    steps = doc["steps"]
+    if not steps:
+        return
+    head = Text("Allocation sites", style="bold")
+    head.append(
+        f" (PyTorch's memory history, steps {steps_text([s['step'] for s in steps])}, "
+        f"{doc['trace_entries']:,} allocator events; open {folder}/*.pickle in "
+        "https://pytorch.org/memory_viz)",
+        style="",
+    )
+    console.print(head)
+
+    def fmt(rows: list[dict[str, Any]]) -> str:
+        return "; ".join(f"{r['site']} {gib(r['bytes'])} ({r['count']})" for r in rows) or "—"
+
+    for s in steps:
+        why = (
+            f" (recorded because torch reserved jumped {gib(s['after_jump'])} at step "
+            f"{s['step'] - 1}'s end)"
+            if s.get("after_jump")
+            else ""
+        )
+        console.print(
+            Text(
+                f" • step {s['step']}{why}: at its peak ({gib(s['peak_bytes'])} traced, "
+                f"{s['peak_phase'].replace('_', '/')}): {fmt(s['at_peak'])}"
+            )
+        )
+        if s["kept_to_next"]:
+            console.print(
+                Text(
+                    f"   allocated in step {s['step']}, still live at the end of step "
+                    f"{s['step'] + 1}: {fmt(s['kept_to_next'])}"
+                )
+            )
+
+
+FLEET_ROWS = 16  # a fleet table of more streams shows the highest, the lowest and the odd ones
+
+
+class _FleetRow(NamedTuple):
+    stream: Stream
+    node: str  # node id, shortened
+    top: StepRecord | None  # the step with the highest NVML peak (None: none measured)
+    alloc: int | None  # this process's highest torch allocated peak
+    lost: bool  # its sampler could not be reached at the end of the run
+
+
+def _lost(run: Run) -> set[str]:
+    """The GPUs whose sampler could not be reached at the end of the run, by its final health
+    (paired by GPU; a store written before health named its GPU, by position)."""
+    health = [h for h in run.meta.get("health") or [] if isinstance(h, dict)]
+    by_uuid = {h["gpu_uuid"]: h for h in health if isinstance(h.get("gpu_uuid"), str)}
+    if not by_uuid:
+        by_uuid = {s.gpu_uuid: h for s, h in zip(run.samplers, health, strict=False)}
+    return {u for u, h in by_uuid.items() if h.get("unreachable")}
+
+
+def _fleet_rows(run: Run) -> list[_FleetRow]:
+    node_of = {s.gpu_uuid: s.node_id[:12] for s in run.samplers}
+    lost = _lost(run)
+    rows = []
+    for st in run.streams:
+        peaked = [r for r in st.records if r.measured]
+        top = max(peaked, key=lambda r: r.nvml_peak_bytes or 0, default=None)
+        allocs = [
+            r.torch_allocated_peak_bytes
+            for r in st.records
+            if r.torch_allocated_peak_bytes is not None
+        ]
+        rows.append(
+            _FleetRow(
+                st,
+                node_of.get(st.gpu_uuid, "?"),
+                top,
+                max(allocs, default=None),
+                st.gpu_uuid in lost,
+            )
+        )
+    return rows
+
+
+def _imbalance(rows: list[_FleetRow]) -> list[Finding]:
+    return imbalance([Ranked(r.stream, r.alloc, r.lost) for r in rows])
+
+
+def _fleet(run: Run, console: Any) -> None:
+    """Every stream (a GPU, or one rank of several on a GPU) side by side: which peaks highest,
+    how far apart they are, per node, ranks out of balance, and GPUs that were lost (a sampler
+    not reachable at the end: its node gone, its actor dead). A fleet of more than
+    :data:`FLEET_ROWS` shows its highest and lowest and every odd one, and says how many more
+    lie between."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = _fleet_rows(run)
+    odd_ranks = {(f.numbers["gpu"], f.numbers["pid"]) for f in _imbalance(rows)}
+    ranks = any(r.stream.world_size > 1 or len(run.streams_of(r.stream.gpu_uuid)) > 1 for r in rows)
+    shown = rows
+    if len(rows) > FLEET_ROWS:
+        by_peak = sorted(rows, key=lambda r: -(r.top.nvml_peak_bytes if r.top else -1))
+        keep = {id(r) for r in by_peak[:6] + by_peak[-3:]}
+        keep |= {id(r) for r in rows if r.lost or (r.stream.gpu, r.stream.pid) in odd_ranks}
+        shown = [r for r in rows if id(r) in keep]
+    what = f"{len(rows)} ranks" if ranks else f"every GPU ({len(rows)})"
+    table = Table(title=f"Fleet — {what} of the run (GiB)")
+    cols = [
+        "GPU",
+        *(["rank"] if ranks else []),
+        "node",
+        "steps",
+        "last step",
+        "nvml peak",
+        "in step",
+        "alloc peak",
+        "state",
+    ]
+    for col in cols:
+        table.add_column(col, justify="right")
+    for row in shown:
+        st = row.stream
+        state = "LOST" if row.lost else ("IMBALANCED" if (st.gpu, st.pid) in odd_ranks else "")
+        table.add_row(
+            str(st.gpu),
+            *([str(st.rank)] if ranks else []),
+            row.node,
+            str(len(st.records)),
+            str(st.records[-1].step) if st.records else "—",
+            _c(row.top.nvml_peak_bytes) if row.top else "—",
+            str(row.top.step) if row.top else "—",
+            _c(row.alloc, "—"),
+            state,
+        )
+    if len(shown) < len(rows):
+        table.add_row(*(["⋯"] * (len(cols) - 1)), f"{len(rows) - len(shown)} more")
+    console.print(table)
+    console.print(Text("Fleet", style="bold"))
+    for line in fleet_lines(run, rows):
+        console.print(Text(f" • {line}"))
+
+
+def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
+    """The fleet's findings, as lines."""
+    out = _compared(run, rows)
+    out += _peaks(rows)
+    out += [f.text for f in _imbalance(rows)]
+    return out + _ended_early(rows)
+
+
+def _compared(run: Run, rows: list[_FleetRow]) -> list[str]:
+    """What the fleet compares: the streams whose GPU was not lost, of one world size."""
+    out = []
+    # a lost GPU's records stop early: comparing its few steps with whole runs says nothing
+    ran = [row for row in rows if not row.lost] or rows
+    if len(ran) < len(rows):
+        ranks = len(rows) > len(run.gpus)
+        what = "ranks whose GPU was" if ranks else "GPUs that were"
+        out.append(f"Compared: the {len(ran)} {what} not lost.")
+    worlds = sorted({r.stream.world_size for r in rows})
+    if len(worlds) > 1:
+        out.append(
+            "The ranks do not agree on the world size ("
+            + ", ".join(str(w) for w in worlds)
+            + "): they may belong to different runs, or one restarted with another size."
+        )
+    return out
+
+
+def _peaks(rows: list[_FleetRow]) -> list[str]:
+    """The highest and lowest within-step peak of the GPUs compared, and per node."""
+    out = []
+    ran = [row for row in rows if not row.lost] or rows
+    gpu_top: dict[int, _FleetRow] = {}
+    for row in ran:
+        if row.top is None:
+            continue
+        cur = gpu_top.get(row.stream.gpu)
+        if cur is None or row.top.nvml_peak_bytes > cur.top.nvml_peak_bytes:
+            gpu_top[row.stream.gpu] = row
+    measured = list(gpu_top.values())
+    if len(measured) > 1:
+        hi = max(measured, key=lambda row: row.top.nvml_peak_bytes)
+        lo = min(measured, key=lambda row: row.top.nvml_peak_bytes)
+        hb, lb = hi.top.nvml_peak_bytes, lo.top.nvml_peak_bytes
+        pct = (hb / lb - 1) * 100 if lb else 0.0
+        if hb == lb:
+            out.append(
+                f"Every compared GPU's highest within-step peak is the same: {gib(hb)} "
+                f"({len(measured)} GPUs)."
+            )
+        else:
+            out.append(
+                f"Highest within-step peak: GPU {hi.stream.gpu} on node {hi.node}, {gib(hb)} in "
+                f"step {hi.top.step}; lowest: GPU {lo.stream.gpu} on node {lo.node}, "
+                f"{gib(lb)} — the highest is {gib(hb - lb)} ({pct:.1f} %) above."
+            )
+        nodes: dict[str, int] = {}
+        for row in measured:
+            nodes[row.node] = max(nodes.get(row.node, 0), row.top.nvml_peak_bytes)
+        if len(nodes) > 1:
+            out.append(
+                "Per node, highest peak: "
+                + ", ".join(f"{n} {gib(b)}" for n, b in sorted(nodes.items()))
+                + "."
+            )
+    return out
+
+
+def _ended_early(rows: list[_FleetRow]) -> list[str]:
+    """Ranks that stopped before the others, and GPUs that were lost."""
+    out = []
+    most = max((len(row.stream.records) for row in rows), default=0)
+    for row in rows:
+        recs = row.stream.records
+        if not row.lost and 0 < len(recs) < most and row.stream.world_size > 1:
+            out.append(
+                f"Rank {row.stream.rank} (GPU {row.stream.gpu}, pid {row.stream.pid}) stopped "
+                f"after step {recs[-1].step}: {len(recs)} of {most} steps — its process "
+                "ended early or died; its steps up to then are kept."
+            )
+    for row in rows:
+        if row.lost:
+            recs = row.stream.records
+            out.append(
+                f"GPU {row.stream.gpu} on node {row.node} was LOST: its sampler could not be "
+                "reached at the end of the run (its node removed or dead, or the actor killed); "
+                + (
+                    f"its records stop at step {recs[-1].step} ({len(recs)} of {most} "
+                    "steps), kept as drained before."
+                    if recs
+                    else "none of its step records had been drained."
+                )
+            )
+    return out
+
+
+STATUS = {
+    "interrupted": "Run INTERRUPTED (Ctrl-C, SIGTERM or `ray job stop`): the steps below are "
+    "the ones that ended before it stopped; the store was flushed.",
+    "running": "Run UNFINISHED: its store still says running — the job was killed without a "
+    "chance to flush (SIGKILL, the OOM killer, a lost node) or is still going; up to the last "
+    "2 s of samples and any step not yet joined may be missing.",
+    "failed": "Run FAILED: the workload raised; the failed step is marked below.",
+    "incomplete": "Run INCOMPLETE: it ended, but not everything it measured was kept:",
+}
+
+
+def status_lines(meta: dict[str, Any]) -> list[str]:
+    """What the run store says about how the run ended, when it did not simply complete, and
+    why a run's record is incomplete (write errors, samplers lost), one line each."""
+    status = meta.get("status")
+    out = []
+    if status not in (None, "complete"):
+        out.append(STATUS.get(str(status), f"Run status: {status!r}."))
+    problems = [str(p) for p in meta.get("problems") or []]
+    errors = meta.get("write_errors") or {}
+    if errors and not problems:  # a store closed by an older stepmem, or killed mid-way
+        problems.append(
+            "the run store could not write "
+            + ", ".join(f"{n} {k}" for k, n in sorted(errors.items()))
+        )
+    if problems and status != "incomplete":
+        out.append("Not everything this run measured was kept:")
+    out += [f"  - {p}" for p in problems]
+    return out
+
+
+def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
+    """How well the samplers kept their rate, from their final health: the mean rate achieved
+    against the target, deadlines missed, and the trace's resolution when it is coarser than
+    2 ms (a replayed capture recorded at a low rate). Empty when nothing was recorded."""
+    health = [h for h in meta.get("health") or [] if isinstance(h, dict) and "rate_hz" in h]
+    target = meta.get("rate_hz")
+    if not health:
+        return ""
+    rates = [float(h.get("mean_rate_hz") or h.get("rate_hz") or 0) for h in health]
+    missed = sum(int(h.get("missed_deadlines") or 0) for h in health)
+    aim = f" (target {target:g} Hz)" if isinstance(target, int | float) and target else ""
+    span = f"{min(rates):.0f}" + (
+        f"–{max(rates):.0f}" if round(max(rates)) != round(min(rates)) else ""
+    )
+    line = f"Sampling: {span} Hz achieved{aim}; {missed:,} sampling deadlines missed"
+    coarse = max((s.resolution_ns for s in samplers), default=0)
+    # a replay holds the capture's samples: it cannot be faster than the capture was taken
+    reachable = target if isinstance(target, int | float) else 0
+    if coarse and reachable:
+        reachable = min(reachable, 1e9 / coarse)
+    if reachable and min(rates) < 0.5 * reachable:
+        line += " — the samplers got too little CPU: short transients may be missed"
+        nice = max((int(h.get("sampler_niceness") or 0) for h in health), default=0)
+        if nice > 0:
+            line += (
+                f" (their threads ran at nice {nice}, Ray's for its workers: lowering it needs "
+                "CAP_SYS_NICE)"
+            )
+    if coarse > 2_000_000:
+        line += (
+            f". The NVML trace resolves {coarse / 1e6:.0f} ms (the capture's own rate): "
+            f"transients shorter than that may be missed, and a reading at a step mark may "
+            f"show what happened up to {coarse / 1e6:.0f} ms after it"
+        )
+    return line + "."
+
+
+def _lead_up(run: Run, stream: Stream, step: int, n: int = 10) -> str:
+    """The NVML samples leading to a failed step's end, from the run store: ``n`` readings
+    evenly spaced over the last second before it (the steps before included)."""
+    rec = next((r for r in stream.records if r.step == step), None)
+    try:
+        samples = run.samples(stream.gpu_uuid)
+    except (OSError, ValueError):
+        return ""
+    if rec is None or samples is None or not len(samples):
+        return ""
+    end = int(rec.end_ns)
+    start = end - 1_000_000_000
+    w = samples[(samples["t_ns"] >= start) & (samples["t_ns"] <= end)]
+    if not len(w):
+        return ""
+    idx = sorted({round(i * (len(w) - 1) / (n - 1)) for i in range(n)})
+    parts = [
+        f"{(int(w['t_ns'].iloc[i]) - end) / 1e6:.0f} ms: {gib_figure(w['used'].iloc[i])}"
+        for i in idx
+    ]
+    return (
+        f"NVML used (GiB) in the second before step {step} failed ({len(w)} samples): "
+        + ", ".join(parts)
+    )

@@ -1,0 +1,294 @@
+"""Reading a run back: a run-store directory (``runs/<run id>``) or the records JSON of
+``stepmem run --out``, checked as the untrusted data it is, grouped into streams.
+
+A *stream* is one training process's steps on one GPU (a rank; several may share a GPU), in
+time order. Every record is keyed by (GPU, pid, seq): the probe's own sequence number, so steps
+whose caller numbers repeat (an epoch restarting ``enumerate(loader)``, a resumed run) are
+never merged or lost. Records written before ``seq`` existed get one here, in time order.
+
+Nothing read is ever executed: JSON, Parquet and numbers only, each field checked before use
+(:func:`check_records`, :func:`check_meta`), one line naming the first bad one otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from collector.model.errors import InputError
+from collector.model.records import SamplerInfo
+from collector.model.step import MAX_BYTES, StepRecord
+
+if TYPE_CHECKING:  # the store (pyarrow) is imported when a run directory is read
+    from collector.store import RunStore
+
+__all__ = [
+    "Run",
+    "Stream",
+    "check_meta",
+    "check_records",
+    "load_meta",
+    "load_run",
+    "number_records",
+]
+
+STATUSES = ("running", "complete", "failed", "interrupted", "incomplete")
+
+
+def check_records(records: Any, source: str) -> list[StepRecord]:
+    """``records`` (a records file's list, or typed records) as typed :class:`StepRecord`
+    objects, each checked as untrusted data (:meth:`StepRecord.from_untrusted`), with no step
+    given twice; otherwise :class:`InputError` naming the first bad record and field."""
+    if not isinstance(records, list):
+        raise InputError(f"{source}: 'records' must be a list, got {type(records).__name__}")
+    out = []
+    for i, r in enumerate(records):
+        try:
+            out.append(
+                r
+                if isinstance(r, StepRecord)
+                else StepRecord.from_untrusted(r, f"{source}: record {i}")
+            )
+        except (TypeError, ValueError) as exc:
+            raise InputError(str(exc)) from None
+    _no_step_twice(out, source)
+    return out
+
+
+def _no_step_twice(records: list[StepRecord], source: str) -> None:
+    seen: set[tuple[Any, ...]] = set()
+    for i, r in enumerate(records):
+        key = (r.gpu_uuid, r.pid, r.seq or ("step", r.step, r.begin_ns))
+        if key in seen:
+            raise InputError(
+                f"{source}: record {i}: step {r.step} of GPU {r.gpu_uuid} is given twice (same "
+                "process, same sequence number)"
+            )
+        seen.add(key)
+
+
+def check_meta(meta: Any, source: str) -> dict[str, Any]:
+    """Run metadata (``meta.json`` or a records file's header) stepmem can read, else
+    :class:`InputError` naming the field."""
+    if not isinstance(meta, dict):
+        raise InputError(f"{source}: must be a JSON object, got {type(meta).__name__}")
+    samplers = meta.get("samplers", [])
+    if not isinstance(samplers, list):
+        raise InputError(f"{source}: 'samplers' must be a list")
+    for i, smp in enumerate(samplers):
+        try:
+            SamplerInfo.from_untrusted(smp, f"{source}: samplers[{i}]", MAX_BYTES)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+    for k in ("banner", "status", "run_id", "error"):
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise InputError(f"{source}: {k} must be a string")
+    for k in ("health", "problems"):
+        if meta.get(k) is not None and not (
+            isinstance(meta[k], list) and all(isinstance(x, dict | str) for x in meta[k])
+        ):
+            raise InputError(f"{source}: {k} must be a list")
+    return meta
+
+
+def number_records(records: list[StepRecord]) -> list[StepRecord]:
+    """Records without a ``seq`` (written before it existed) get one: 1, 2, … in time order per
+    GPU and process. Records are returned in (GPU, time) order."""
+    out = sorted(records, key=lambda r: (r.gpu_uuid, r.begin_ns))
+    seen: Counter[tuple[str, int]] = Counter()
+    for r in out:
+        if not r.seq:
+            seen[(r.gpu_uuid, r.pid)] += 1
+            r.seq = seen[(r.gpu_uuid, r.pid)]
+    return out
+
+
+@dataclass
+class Stream:
+    """One training process's steps on one GPU, in time order."""
+
+    gpu_uuid: str
+    gpu: int  # the report's number of the GPU (sampler index order)
+    pid: int
+    rank: int
+    world_size: int
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def steps_repeat(self) -> bool:
+        """The caller's step numbers are not one increasing series (epochs restarted them)."""
+        steps = [r.step for r in self.records]
+        return any(b <= a for a, b in itertools.pairwise(steps))
+
+    def numbered(self) -> list[StepRecord]:
+        """The records as the diagnosis reads them: by the caller's step numbers when those
+        name each step once and grow; otherwise by the probe's sequence number (the table
+        shows both)."""
+        if not self.steps_repeat:
+            return self.records
+        return [dataclasses.replace(r, step=r.seq) for r in self.records]
+
+    def label(self, several: bool) -> str:
+        """`` rank 1 (pid 4242)`` when the GPU has several streams or the run several ranks."""
+        if not several and self.world_size <= 1:
+            return ""
+        who = f"rank {self.rank}" + (f" of {self.world_size}" if self.world_size > 1 else "")
+        return f" {who}" + (f" (pid {self.pid})" if self.pid else "")
+
+
+def _name_ranks(streams: list[Stream]) -> None:
+    """In each record's per-process reading, the processes that are this run's other ranks on
+    the GPU are named as such (NVML knows them only by pid and command line)."""
+    names = {s.pid: f"rank {s.rank} of this run" for s in streams if s.pid}
+    for s in streams:
+        for r in s.records:
+            if r.processes is None or not any(p.pid in names for p in r.procs):
+                continue
+            renamed = [dataclasses.replace(p, name=names.get(p.pid, p.name)) for p in r.procs]
+            r.processes = dataclasses.replace(r.processes, procs=renamed)
+
+
+class Run:
+    """One run's step records: per GPU (``by_gpu``, in sampler index order, then any GPU the
+    records name that no sampler lists) and per stream (``streams``), and the GPUs' capacities."""
+
+    def __init__(self, name: str, meta: dict[str, Any], records: list[StepRecord]) -> None:
+        self.name = name
+        self.meta = meta
+        self.root: Path | None = None  # the run directory, when read from the run store
+        self.source = name  # what the user gave (a path to show in commands)
+        self._store: RunStore | None = None
+        typed = number_records(list(records))
+        # checked by check_meta (a file) or made by this stepmem (a run that just ended)
+        self.samplers = sorted(
+            (
+                s if isinstance(s, SamplerInfo) else SamplerInfo.from_untrusted(s, "", MAX_BYTES)
+                for s in meta.get("samplers", [])
+            ),
+            key=lambda s: (s.node_id, s.index),
+        )
+        self.gpus = [s.gpu_uuid for s in self.samplers]
+        self.gpus += sorted({r.gpu_uuid for r in typed} - set(self.gpus))
+        self.totals = {s.gpu_uuid: s.total_bytes for s in self.samplers}
+        self.by_gpu: dict[str, list[StepRecord]] = {u: [] for u in self.gpus}
+        for r in typed:
+            self.by_gpu[r.gpu_uuid].append(r)
+        self.streams: list[Stream] = []
+        for i, uuid in enumerate(self.gpus):
+            by_pid: dict[int, Stream] = {}
+            for r in self.by_gpu[uuid]:
+                s = by_pid.get(r.pid)
+                if s is None:
+                    s = by_pid[r.pid] = Stream(uuid, i, r.pid, r.rank, r.world_size)
+                s.records.append(r)
+            self.streams += sorted(by_pid.values(), key=lambda s: (s.rank, s.pid))
+            if not by_pid:
+                self.streams.append(Stream(uuid, i, 0, 0, 1))
+            if len(by_pid) > 1:  # ranks sharing the GPU see each other in NVML's process list
+                _name_ranks(list(by_pid.values()))
+        for uuid, recs in self.by_gpu.items():
+            total = self.totals.get(uuid)
+            for r in recs:
+                for k in ("nvml_peak_bytes", "nvml_end_bytes"):
+                    v = getattr(r, k)
+                    if total and (v or 0) > total:
+                        raise InputError(
+                            f"{name}: step {r.step} of GPU {uuid}: {k} {v} is more than the "
+                            f"card's {total} bytes"
+                        )
+
+    @property
+    def store(self) -> RunStore | None:
+        """The run store this run was read from (opened once; None: a records file)."""
+        if self._store is None and self.root is not None:
+            from collector.store import RunStore
+
+            self._store = RunStore(self.root)
+        return self._store
+
+    def samples(self, uuid: str) -> Any:
+        """GPU ``uuid``'s NVML samples from the run store (None: none kept, or no store)."""
+        store = self.store
+        return None if store is None else store.samples(uuid)
+
+    @property
+    def status(self) -> str:
+        return str(self.meta.get("status") or "complete")
+
+    def streams_of(self, uuid: str) -> list[Stream]:
+        return [s for s in self.streams if s.gpu_uuid == uuid]
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run directory or a records JSON. Raises :class:`InputError` naming what is
+    wrong."""
+    path = Path(path)
+    if path.is_dir():
+        from collector.store import RunStore
+
+        store = RunStore(path)
+        check_meta(store.meta, str(path / "meta.json"))
+        records = store.records()  # each checked as it is read
+        _no_step_twice(records, str(path))
+        meta = dict(store.meta)
+        torn = store.unreadable_parts("events")
+        if torn:  # the steps are whole: report them, and say what cannot be read
+            meta["problems"] = [
+                *(meta.get("problems") or []),
+                f"{len(torn)} part(s) of the probe's events cannot be read ({', '.join(torn)}); "
+                "the step records below are unaffected",
+            ]
+        run = Run(path.name, meta, records)
+        run.root = path
+        run._store = store
+        run.source = str(path)
+        return run
+    if not path.is_file():
+        raise InputError(f"{path} is neither a run directory nor a records file")
+    if path.name.endswith(".capture.parquet"):
+        from collector.analysis.offline import capture_run_meta, records_from_capture
+        from collector.replay import Capture
+
+        cap = Capture.load(path)  # validated: a capture is untrusted data too
+        recs = records_from_capture(cap)
+        run = Run(path.name.removesuffix(".capture.parquet"), capture_run_meta(path, cap), recs)
+        run.source = str(path)
+        return run
+    doc = _records_file(path)
+    check_meta(doc, str(path))
+    run = Run(path.stem, doc, check_records(doc["records"], str(path)))
+    run.source = str(path)
+    return run
+
+
+def _records_file(path: Path) -> dict[str, Any]:
+    """A records file (``stepmem run --out``) as JSON data, not yet checked beyond its shape."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise InputError(f"{path} is not a stepmem records file ({why})") from None
+    if not isinstance(doc, dict) or "records" not in doc:
+        raise InputError(f"{path} is not a stepmem records file (no 'records')")
+    return doc
+
+
+def load_meta(path: str | Path) -> dict[str, Any]:
+    """A run's metadata alone, checked (:func:`check_meta`), its records not read: a run
+    directory's ``meta.json`` or a records file's header; a capture has none (``{}``)."""
+    path = Path(path)
+    if path.is_dir():
+        from collector.store import RunStore
+
+        return check_meta(RunStore(path).meta, str(path / "meta.json"))
+    if not path.is_file():
+        raise InputError(f"{path} is neither a run directory nor a records file")
+    if path.name.endswith(".capture.parquet"):
+        return {}
+    doc = _records_file(path)
+    return check_meta({k: v for k, v in doc.items() if k != "records"}, str(path))

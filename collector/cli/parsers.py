@@ -1,0 +1,314 @@
+"""The ``stepmem`` command's parsers: one function a subcommand, in the order ``stepmem --help``
+lists them (:data:`SUBCOMMANDS`); the argument groups several share are :mod:`collector.args`.
+A parse error is one line (``stepmem <cmd>: …``), exit 2."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from collector import args
+from collector.analysis.report import EDGE_ROWS
+from collector.model.errors import UserError
+from workloads import WORKLOADS
+
+__all__ = ["SUBCOMMANDS", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + line
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _run_parser(sub) -> None:
+    r = sub.add_parser("run", help="the main job (replay backend when there is no GPU)")
+    args.add_backend(
+        r,
+        ("auto", "nvml", "replay"),
+        "auto",
+        help="auto: live NVML when a GPU is present, else replay (default)",
+        captures="capture(s) to replay (default: adamw_8bit); repeat for several",
+    )
+    args.add_sampling(r)
+    r.add_argument(
+        "--speed",
+        type=args.positive_float,
+        default=1.0,
+        help="replay speed (default 1; at most 1e9)",
+    )
+    r.add_argument("--steps", type=args.positive_int, help="stop after this many steps (replay)")
+    r.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="the workload to run on real GPUs (default finetune; not with replay)",
+    )
+    r.add_argument(
+        "--train-workers",
+        type=args.positive_int,
+        default=0,
+        metavar="N",
+        help="run the workload in a Ray Train TorchTrainer with N workers, one GPU each "
+        "(live backend; default: in this process, on every GPU it sees)",
+    )
+    r.add_argument(
+        "--script",
+        type=Path,
+        metavar="TRAIN.py",
+        help="run your own training script (one that uses a stepmem probe adapter) instead of "
+        "a built-in workload; its arguments go after '--'",
+    )
+    r.add_argument(
+        "--command",
+        dest="run_command",
+        action="store_true",
+        help="run the command after '--' (torchrun …, python -m …) as the workload: every process "
+        "it starts with a stepmem probe reports to this run (with the replay backend, as CPU "
+        "stand-ins for the replayed GPUs)",
+    )
+    r.add_argument("--out", type=Path, help="write step records (JSON) here")
+    r.add_argument(
+        "--address",
+        help="Ray cluster address (default: RAY_ADDRESS, else a local cluster on 127.0.0.1)",
+    )
+    r.add_argument(
+        "--run-id", default="", help="the run label on every series (default: time-based)"
+    )
+    r.add_argument(
+        "--store",
+        type=Path,
+        metavar="DIR",
+        help="run store root: the run is written to DIR/<run id> (default: $STEPMEM_STORE, "
+        "else runs/; under `ray job submit`, ~/stepmem-runs, as Ray deletes a job's working "
+        "directory)",
+    )
+    r.add_argument("--no-store", action="store_true", help="write no run store")
+    r.add_argument(
+        "--workload-label",
+        default="",
+        metavar="NAME",
+        help="the workload label on every series, the key of baselines "
+        "(default: the workload, or replay:<captures>)",
+    )
+    r.add_argument(
+        "--targets",
+        type=Path,
+        metavar="FILE",
+        help="keep a Prometheus file_sd targets file current while the job runs",
+    )
+    args.add_metrics(r)
+    args.add_remote_write(r)
+    r.add_argument(
+        "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
+    )
+
+
+def _daemon_parser(sub) -> None:
+    dm = sub.add_parser("daemon", help="samplers that stay on every GPU node across jobs")
+    dm.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS)")
+    args.add_backend(dm, ("nvml", "replay"), "nvml")
+    args.add_sampling(dm, window=False)
+    dm.add_argument(
+        "--rescan",
+        type=args.seconds(86_400.0),
+        default=30.0,
+        help="seconds between scans for new nodes (default 30)",
+    )
+    dm.add_argument("--targets", type=Path, metavar="FILE", help="keep a file_sd file current")
+    args.add_metrics(dm)
+    dm.add_argument("--stop", action="store_true", help="remove every stepmem sampler and exit")
+
+
+def _capture_parser(sub) -> None:
+    c = sub.add_parser("capture", help="record NVML on a real GPU while a command runs")
+    c.add_argument("--out", type=Path, required=True, help="capture file (.capture.parquet)")
+    c.add_argument("--gpu", metavar="UUID", help="GPU to record (default: NVML's first)")
+    args.add_backend(
+        c,
+        ("nvml", "replay"),
+        "nvml",
+        help="replay: resample a capture instead of reading a real GPU",
+        captures="with --backend replay: the capture(s) to resample",
+        gpus=False,
+    )
+    args.add_sampling(c, window=False)
+    c.add_argument(
+        "--duration", type=args.seconds(86_400.0), help="seconds, when no command is given"
+    )
+    c.add_argument(
+        "--max-seconds",
+        type=args.seconds(86_400.0),
+        default=600.0,
+        help="stop recording (and a command still running) after this long (default 600)",
+    )
+    c.add_argument(
+        "--trim",
+        type=args.seconds(86_400.0),
+        metavar="SECONDS",
+        help="keep only SECONDS before the first and after the last step event",
+    )
+    c.add_argument("--note", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, help="after '--': the command to run")
+
+
+def _baseline_parser(sub) -> None:
+    b = sub.add_parser("baseline", help="write a workload's peak baseline as a Prometheus rule")
+    b.add_argument("records", type=Path, help="records JSON of an accepted run (run --out)")
+    b.add_argument("--out", required=True, help="rule file to write")
+    b.add_argument("--workload", help="workload name (default: the records' workload label)")
+    b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
+
+
+def _report_parser(sub) -> None:
+    rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
+    rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
+    rp.add_argument("--out", help="also write the report text here")
+    rp.add_argument("--png", help="write the timeline picture (run directory only)")
+    rp.add_argument("--html", help="write an interactive timeline (run directory only)")
+    rp.add_argument(
+        "--all-steps",
+        action="store_true",
+        help=f"print every step (a long run shows its first and last {EDGE_ROWS}, its highest "
+        "peak and its odd steps)",
+    )
+    rp.add_argument(
+        "--verbose",
+        dest="detail",
+        action="store_true",
+        help="every finding in full, figures under the noise floor (128 MiB or 0.5 %% of the "
+        "card) included",
+    )
+    rp.add_argument(
+        "--estimate",
+        type=Path,
+        metavar="FILE",
+        help="put a `stepmem estimate --out` file's prediction beside what was measured, "
+        "component by component, and name the differences",
+    )
+
+
+def _compare_parser(sub) -> None:
+    cp = sub.add_parser("compare", help="NEW against BASE per GPU and step; exit 1 on regression")
+    cp.add_argument("base", type=Path)
+    cp.add_argument("new", type=Path)
+    cp.add_argument(
+        "--tolerance",
+        type=args.fraction,
+        default=0.05,
+        help="allowed growth of the largest within-step peak: 0.05 or 5%% (default); at most "
+        "1 (100 %%)",
+    )
+    cp.add_argument(
+        "--max-unsampled",
+        type=args.fraction,
+        default=0.05,
+        help="the share of a run's steps that may lack NVML samples (a loaded machine) and "
+        "still be judged, on its other steps: 0.05 or 5%% (default); above it, or when every "
+        "step lacks them, the runs cannot be compared",
+    )
+    cp.add_argument("--markdown", help="write the Markdown (for a PR comment) here")
+
+
+def _dashboards_parser(sub) -> None:
+    g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
+    g.add_argument("--out", default="grafana/dashboards", help="folder for the JSON files")
+
+
+def _estimate_parser(sub) -> None:
+    from collector.estimate.spec import OPTIMS, SHAPES, SHARDS, WORKLOADS
+
+    e = sub.add_parser(
+        "estimate",
+        help="predict a step's memory per component and module before it runs (no GPU memory)",
+    )
+    e.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="finetune",
+        help="finetune: the HF Trainer's step (bf16 autocast, gradient checkpointing, "
+        "gradients freed after the step); distributed: workloads/distributed.py's plain loop "
+        "(fp32, gradients kept, FSDP2 by default). Default finetune",
+    )
+    e.add_argument(
+        "--shard",
+        choices=SHARDS,
+        help="distributed: fully_shard every decoder layer and the root (default fsdp2)",
+    )
+    e.add_argument(
+        "--world-size",
+        type=args.positive_int,
+        default=1,
+        metavar="N",
+        help="ranks the model is sharded over; one rank is estimated (default 1)",
+    )
+    model = e.add_mutually_exclusive_group()
+    model.add_argument(
+        "--size",
+        choices=sorted(SHAPES),
+        help="the finetune workload's Llama shape (default: 7b on a GPU, tiny elsewhere)",
+    )
+    model.add_argument(
+        "--config",
+        type=Path,
+        metavar="CONFIG.json",
+        help="a Hugging Face config.json (or the folder holding it): any causal LM "
+        "transformers builds from a config; read as data, no code from it is run",
+    )
+    model.add_argument(
+        "--like",
+        type=Path,
+        metavar="RUN",
+        help="the model, optimizer and batch of a stored finetune run (its workload summary)",
+    )
+    e.add_argument("--optim", choices=OPTIMS, help="default: adamw_8bit on a GPU, else adamw_torch")
+    e.add_argument(
+        "--seq-len",
+        type=args.positive_int,
+        help="tokens per sequence (default: 4096 on a GPU, 64 elsewhere)",
+    )
+    e.add_argument("--batch", type=args.positive_int, default=1, help="sequences a micro-batch")
+    e.add_argument(
+        "--grad-accum",
+        type=args.positive_int,
+        help="micro-batches a step (default: 2 for finetune, 1 for distributed)",
+    )
+    e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
+    e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
+    e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
+    e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def _devices_parser(sub) -> None:
+    d = sub.add_parser("devices", help="list GPUs on this node by UUID")
+    args.add_backend(d, ("nvml", "replay"), "nvml", gpus=False)
+
+
+SUBCOMMANDS = (  # in the order `stepmem --help` lists them
+    _run_parser,
+    _baseline_parser,
+    _daemon_parser,
+    _report_parser,
+    _compare_parser,
+    _estimate_parser,
+    _dashboards_parser,
+    _devices_parser,
+    _capture_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    p.add_argument("--version", action="version", version=f"stepmem {_version()}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stepmem")
+    except PackageNotFoundError:
+        return "(not installed)"

@@ -1,0 +1,165 @@
+"""What is estimated: a model (a built-in Llama shape or a Hugging Face config), an optimizer, a
+batch and the loop around them (:class:`Spec`), with the defaults a machine implies and the
+shapes and optimizers stepmem knows — which the ``finetune`` workload trains, too."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from collector.model.errors import EstimateError
+
+__all__ = ["OPTIMS", "SHAPES", "SHARDS", "WORKLOADS", "Spec", "read_config"]
+
+OPTIMS = ("adamw_8bit", "paged_adamw_8bit", "adamw_torch")
+SHARDS = ("none", "fsdp2")
+WORKLOADS = ("finetune", "distributed")  # the loops an estimate traces
+SHAPES: dict[str, dict[str, int]] = {
+    # Llama-2-7B
+    "7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    # ~1.1B (TinyLlama's shape): the distributed runs on one GPU
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        intermediate_size=5632,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    # ~0.2B: quick GPU checks
+    "small": dict(
+        hidden_size=1024,
+        num_hidden_layers=8,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    ),
+    # CPU tests
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+    ),
+}
+MAX_WORLD = 1 << 16
+MAX_SEQ = 1 << 20
+MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KiB
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What is estimated: a Llama shape or a Hugging Face config, an optimizer, a batch."""
+
+    workload: str = "finetune"
+    size: str | None = "tiny"
+    config: dict[str, Any] | None = None  # a Hugging Face config (model_type and its fields)
+    optim: str = "adamw_torch"
+    seq_len: int = 64
+    batch: int = 1
+    grad_accum: int = 2
+    checkpointing: bool = True
+    bf16: bool = True
+    shard: str = "none"  # "fsdp2": every decoder layer and the root fully_shard-ed
+    world_size: int = 1  # ranks the model is sharded over (one rank is estimated)
+    keep_grads: bool = False  # zero_grad(set_to_none=False): gradients stay between steps
+
+    @classmethod
+    def for_machine(cls, gpu: bool, workload: str = "finetune", **given: Any) -> Spec:
+        """A spec for this machine: what ``given`` names (None: not given), the rest by
+        default — the seed's 7B ``adamw_8bit`` fine-tune at 4,096 tokens on a GPU, the tiny
+        shape with ``adamw_torch`` at 64 tokens elsewhere (the ``finetune`` workload's own
+        defaults); ``distributed`` is workloads/distributed.py's loop (FSDP2 by default, fp32,
+        gradients kept, no checkpointing, one micro-batch)."""
+        given = {k: v for k, v in given.items() if v is not None}
+        dist = workload == "distributed"
+        big = gpu and not dist
+        fields: dict[str, Any] = {
+            "workload": workload,
+            "optim": "adamw_8bit" if big else "adamw_torch",
+            "seq_len": 4096 if big else 64,
+            "grad_accum": 1 if dist else 2,
+        }
+        if dist:
+            fields.update(
+                shard="fsdp2", keep_grads=True, bf16=False, checkpointing=False, world_size=1
+            )
+        if given.get("config") is not None:
+            fields["size"] = None
+        else:
+            fields["size"] = "7b" if big else "tiny"
+        fields.update(given)
+        return cls(**fields)
+
+    def like(self, summary: Any, source: str) -> Spec:
+        """This spec with the model, optimizer and batch of a stored ``finetune`` run's workload
+        summary (data, checked field by field); :class:`EstimateError` naming ``source``
+        otherwise."""
+        if not isinstance(summary, dict) or summary.get("workload") != "finetune":
+            raise EstimateError(f"--like {source}: not a finetune run with a summary")
+        out: dict[str, Any] = {}
+        for key, kind in (("size", str), ("optim", str), ("seq_len", int), ("batch", int)):
+            v = summary.get(key)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise EstimateError(f"--like {source}: its summary has no {key}")
+            out[key] = v
+        ga = summary.get("grad_accum", 2)
+        out["grad_accum"] = ga if isinstance(ga, int) and not isinstance(ga, bool) else 2
+        return replace(self, config=None, **out)
+
+    def validate(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise EstimateError(f"workload {self.workload!r}: one of {', '.join(WORKLOADS)}")
+        if self.optim not in OPTIMS:
+            raise EstimateError(f"optimizer {self.optim!r}: one of {', '.join(OPTIMS)}")
+        if self.shard not in SHARDS:
+            raise EstimateError(f"shard {self.shard!r}: one of {', '.join(SHARDS)}")
+        w = self.world_size
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_WORLD:
+            raise EstimateError(f"world size must be a whole number from 1 to {MAX_WORLD}")
+        if self.shard == "fsdp2" and self.optim != "adamw_torch":
+            raise EstimateError(
+                "bitsandbytes' optimizers under FSDP2 are not modelled: estimate with adamw_torch"
+            )
+        for name in ("seq_len", "batch", "grad_accum"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SEQ:
+                raise EstimateError(f"{name} must be a whole number from 1 to {MAX_SEQ}")
+        if self.config is None and self.size is None:
+            raise EstimateError("a model: a built-in size or a Hugging Face config")
+        if self.config is None and self.size not in SHAPES:
+            raise EstimateError(f"size {self.size!r}: one of {', '.join(sorted(SHAPES))}")
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (or the folder holding it) as data: JSON of at most
+    :data:`MAX_CONFIG_BYTES` with a ``model_type``; a config whose model is custom code
+    (``auto_map``) is refused — stepmem runs no code from a config."""
+    f = path / "config.json" if path.is_dir() else path
+    try:
+        if f.stat().st_size > MAX_CONFIG_BYTES:
+            raise EstimateError(f"--config {f}: larger than 1 MiB; not a model config")
+        cfg = json.loads(f.read_text())
+    except OSError as exc:
+        raise EstimateError(f"--config {f}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EstimateError(f"--config {f}: not JSON ({exc})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise EstimateError(f"--config {f}: a config.json with a model_type")
+    if cfg.get("auto_map"):
+        raise EstimateError(
+            f"--config {f}: its model is custom code (auto_map); stepmem runs no code from a config"
+        )
+    return cfg

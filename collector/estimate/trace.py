@@ -1,0 +1,401 @@
+"""The trace: a training step's memory predicted before it runs, per kind and per module, from
+fake tensors and torch's own tracker.
+
+The model is built and trained for two optimizer steps under
+:class:`torch._subclasses.fake_tensor.FakeTensorMode` (shapes, dtypes and devices, no storage:
+nothing is allocated on any device) while :class:`torch.distributed._tools.mem_tracker.MemTracker`
+files every tensor as torch does (parameters, buffers, gradients, activations, temporaries,
+optimizer state) and keeps each module's forward and backward peaks. Two steps, because
+optimizer state created by step 1's optimizer step is resident in step 2's forward and backward:
+step 2's peak is the steady one, and step 1's is lower by about that state.
+
+What stepmem adds to torch's tracker, and says where it does:
+
+* **bitsandbytes' 8-bit optimizers** (``adamw_8bit``, ``paged_adamw_8bit``) cannot run on fake
+  tensors (their update is a CUDA kernel). A stand-in optimizer creates exactly the state
+  tensors ``bitsandbytes.optim.optimizer.Optimizer2State.init_state`` creates (uint8 state1 and
+  state2 for tensors of at least 4,096 elements, float32 ``absmax`` per block of 256, float32
+  state below that size and for ``nn.Embedding`` weights, which the Hugging Face Trainer keeps
+  in 32 bits) and is tracked by MemTracker like any optimizer.
+* **Paged state** (``paged_adamw_8bit``: state of tensors of 10^5 elements or more) lives in CUDA
+  managed memory, outside torch's pool: it is predicted as ``optimizer_state_managed``, apart
+  from the device total, because NVML counts it once its pages sit on the GPU and torch never
+  does.
+* Without a GPU (CI) the fake tensors live on the CPU device, standing in for CUDA: byte counts
+  are the same; CPU autocast casts a few ops differently from CUDA's and attention takes the
+  CPU kernel, so activations are an approximation there (said in the estimate).
+
+Memory that no tracker can predict (the CUDA context, cuBLAS workspaces, NCCL buffers, the
+allocator's cached-free and inactive-split bytes, other processes) is what
+:func:`collector.analysis.reconcile.reconcile` names from a measured run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from collector.estimate import build
+from collector.estimate.spec import Spec
+from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
+from collector.model.prediction import Estimate, ModulePeak
+
+__all__ = ["estimate"]
+
+# MemTracker's reference types (their string values, stable since torch 2.5) → ours
+_TRACKER = {
+    "Parameter": MemoryKind.PARAMETERS,
+    "Buffer": MemoryKind.BUFFERS,
+    "Gradient": MemoryKind.GRADIENTS,
+    "Optstate": MemoryKind.OPTIMIZER_STATE,
+    "Activation": MemoryKind.ACTIVATIONS,
+    "Temp": MemoryKind.TEMPORARIES,
+    "Other": MemoryKind.OTHER,
+    # FSDPMemTracker's (FSDP2): a rank's shards, the all-gathered copies, the collectives' buffers
+    "Sharded Param": MemoryKind.PARAMETERS,
+    "Unsharded Param": MemoryKind.UNSHARDED_PARAMETERS,
+    "Sharded Grad": MemoryKind.GRADIENTS,
+    "Unsharded Grad": MemoryKind.UNSHARDED_GRADIENTS,
+    "All Gather": MemoryKind.COMMUNICATION,
+    "Reduce Scatter": MemoryKind.COMMUNICATION,
+    "OptState": MemoryKind.OPTIMIZER_STATE,
+    "Inputs": MemoryKind.ACTIVATIONS,
+}
+_PHASES = {
+    "Peak-Forward": "forward",  # MemTracker's
+    "Peak-Backward": "backward",
+    "Peak Forward": "forward",  # FSDPMemTracker's
+    "Peak Backward": "backward",
+}
+MAX_STEPS_TRACED = 2
+MODULE_DEPTH = 4  # module names kept in the per-module account (Model.model.layers.N)
+
+
+def _parts(snap: dict[Any, dict[Any, int]], device: Any) -> dict[MemoryKind, int]:
+    """One device's bytes by kind (optimizer step counters live on the host under CUDA)."""
+    out = dict.fromkeys(ESTIMATE_KINDS, 0)
+    for dev, dev_snap in snap.items():
+        if dev != device:
+            continue
+        for k, v in dev_snap.items():
+            name = _TRACKER.get(str(getattr(k, "value", k)))
+            if name:
+                out[name] += int(v)
+    return out
+
+
+def _module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
+    out = []
+    for stats in list(tracker.memory_tracking.values()):
+        name = stats.mod_fqn
+        if name.count(".") >= MODULE_DEPTH or name.split(".")[0] != root:
+            continue  # deeper than the account keeps, or an autograd Function ("Func")
+        for state, snaps in stats.snapshots.items():
+            phase = _PHASES.get(str(getattr(state, "value", state)))
+            if phase is None:
+                continue
+            for snap in snaps:
+                parts = _parts(snap, device)
+                out.append(ModulePeak(name, phase, sum(parts.values()), parts))
+    return out
+
+
+class _Stack:
+    """The module whose forward runs now (global forward hooks): what stopped a trace."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.names = {m: n for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+            torch.nn.modules.module.register_module_forward_hook(self._post),
+        ]
+
+    def _pre(self, module: Any, args: Any) -> None:
+        self.stack.append(f"{self.names.get(module, '?')} ({type(module).__name__})")
+
+    def _post(self, module: Any, args: Any, out: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _most_unsharded(tracker: Any, device: Any) -> int:
+    """The most unsharded-parameter bytes in any module snapshot FSDPMemTracker took (what the
+    probe's UnshardWatch reads on a real run: the all-gathered copies at their own peak)."""
+    most = 0
+    for stats in list(getattr(tracker, "memory_tracking", {}).values()):
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                most = max(most, _parts(snap, device)[MemoryKind.UNSHARDED_PARAMETERS])
+    return most
+
+
+def _step_counters(opt: Any) -> int:
+    """Bytes of the optimizer's per-parameter ``step`` tensors (CPU scalars unless capturable)."""
+    import torch
+
+    total = 0
+    for st in opt.state.values():
+        v = st.get("step")
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def _holder(mods: list[ModulePeak], peak: int) -> ModulePeak | None:
+    """The innermost module whose pass holds the step's peak (the deepest name at that total)."""
+    at = [m for m in mods if m.total >= peak]
+    if not at:
+        return max(mods, key=lambda m: m.total) if mods else None
+    return max(at, key=lambda m: m.module.count("."))
+
+
+def _notes(spec: Spec, cuda: bool) -> list[str]:
+    """What the estimate says about itself before it traces anything."""
+    notes: list[str] = []
+    if not cuda:
+        notes.append(
+            "no GPU here: fake tensors on the CPU stand in for CUDA (same bytes; CPU autocast "
+            "and attention kernels differ, so activations are approximate)"
+        )
+    if spec.optim != "adamw_torch":
+        notes.append(
+            f"{spec.optim}: bitsandbytes' state layout added by stepmem (uint8 moments, float32 "
+            "absmax per 256 elements, float32 below 4,096 elements and for embeddings)"
+            + (
+                "; state of tensors of 10^5 elements or more is paged (CUDA managed memory, "
+                "outside torch's pool)"
+                if spec.optim == "paged_adamw_8bit"
+                else ""
+            )
+        )
+    if spec.shard == "fsdp2":
+        notes.append(
+            f"FSDP2 at world size {spec.world_size}: one rank traced over a fake process group "
+            "(torch's FakeStore), under torch's FSDPMemTracker"
+        )
+    return notes
+
+
+@dataclass
+class _Trace:
+    """What tracing the steps found: each step's peak by kind, what stays at the end, step
+    2's module peaks, whether its peak is in the optimizer step, FSDP2's unsharded peak, and
+    the module that stopped it (empty: none)."""
+
+    per_step: list[dict[MemoryKind, int]] = field(default_factory=list)
+    at_end: dict[MemoryKind, int] = field(default_factory=dict)
+    best: tuple[int, list[ModulePeak]] = (-1, [])
+    in_optimizer: bool = False
+    unsharded: int = 0
+    stopped: str = ""
+
+
+def _prepare(spec: Spec, model: Any, cuda: bool, device: Any, mesh: Any, more: Any) -> list[str]:
+    """Checkpointing, the attention kernel CUDA would pick, FSDP2 sharding; notes to say."""
+    notes = []
+    if spec.checkpointing:  # as the HF Trainer does (transformers 5 renamed it)
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable", None
+        )
+        if enable is not None:
+            enable()
+    if build.attention_is_math(spec, cuda, device, model):
+        more.enter_context(build.math_sdpa())
+        notes.append(
+            "attention traced on PyTorch's math kernel, which keeps each layer's attention "
+            "probabilities for backward: "
+            + (
+                "CUDA's dispatcher picks it here for this dtype and head layout"
+                if cuda
+                else "CUDA's pick for float32 attention with grouped key/value heads (no "
+                "fused kernel takes both; measured on the H200, torch 2.11)"
+            )
+        )
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in build.layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.train()
+    return notes
+
+
+def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
+    if mesh is not None:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs(())
+        return tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    return tracker
+
+
+def _trace_step(
+    step: int, spec: Spec, model: Any, opt: Any, device: Any, mesh: Any, t: _Trace, say: Any
+) -> None:
+    """Step ``step``: every micro-batch's forward and backward, then the optimizer step, under
+    a tracker of its own; what it found goes into ``t``."""
+    import torch
+
+    root, last = type(model).__name__, step == MAX_STEPS_TRACED
+    vocab = build.vocab(model)
+    tracker = _tracker(mesh, model, opt)
+    with tracker:
+        for micro in range(spec.grad_accum):
+            say(f"tracing step {step}, micro-batch {micro + 1}/{spec.grad_accum}")
+            tracker.reset_mod_stats()  # one forward per module per record
+            ids = torch.randint(0, vocab, (spec.batch, spec.seq_len), device=device)
+            with torch.autocast(device.type, torch.bfloat16, enabled=spec.bf16):
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / spec.grad_accum).backward()
+            del loss
+            peak = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
+            if last and peak > t.best[0]:
+                t.best = (peak, _module_peaks(tracker, root, device))
+            if last:
+                t.unsharded = max(t.unsharded, _most_unsharded(tracker, device))
+        before = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
+        say(f"tracing step {step}'s optimizer step")
+        opt.step()
+        model.zero_grad(set_to_none=not spec.keep_grads)
+        parts = _parts(tracker.get_tracker_snapshot("peak"), device)
+        t.in_optimizer = sum(parts.values()) > before
+        t.at_end = _parts(tracker.get_tracker_snapshot("current"), device)
+        # torch files every allocation of the optimizer step as optimizer state;
+        # what is not resident after it was the step's temporaries
+        state = MemoryKind.OPTIMIZER_STATE
+        extra = max(0, parts[state] - t.at_end[state])
+        parts[state] -= extra
+        parts[MemoryKind.OPTIMIZER_STEP_TEMPORARIES] += extra
+        t.per_step.append(parts)
+
+
+def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t: _Trace) -> str:
+    """An op fake tensors cannot run (a data-dependent shape, …): the module it stopped in,
+    named, and the figures shapes alone give. Returns the note saying so."""
+    t.stopped = stack.stack[-1] if stack.stack else type(model).__name__
+    line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    static = build.static_parts(model, opt, spec)
+    t.per_step = [static, static]
+    t.at_end = dict(static)
+    t.at_end[MemoryKind.GRADIENTS] = 0
+    return (
+        f"{t.stopped} could not be traced on fake tensors ({type(exc).__name__}: {line} "
+        f"at {Path(frame.filename).name}:{frame.lineno}): parameters, gradients and "
+        "optimizer state are from shapes; activations and temporaries are not estimated"
+    )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # ModTracker warns on every recomputed (checkpointed) forward; deprecations are noise
+        warnings.filterwarnings("ignore", message=".*module hierarchy tracking")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+def estimate(
+    spec: Spec,
+    progress: Callable[[str], None] | None = None,
+    *,
+    build_model: Callable[[], Any] | None = None,
+    fake: bool = True,
+) -> Estimate:
+    """Predict ``spec``'s step memory (see the module doc). Never allocates device memory.
+
+    ``build_model`` makes the model instead of ``spec``'s size or config (called on the fake
+    device; the model takes ``input_ids`` and ``labels`` and returns an object with ``.loss``,
+    as a Hugging Face causal LM does). ``fake=False`` runs the same trace on real tensors (tests
+    hold the fake trace to it)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec.validate()
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    notes = _notes(spec, cuda)
+    mesh = build.fake_group(spec.world_size, device) if spec.shard == "fsdp2" else None
+    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
+    t = _Trace()
+    with mode, _quiet(), build.group_closed(mesh), contextlib.ExitStack() as more:
+        say("building the model on fake tensors")
+        with torch.device(device):
+            model = build_model() if build_model is not None else build.build_model(spec)
+        notes += _prepare(spec, model, cuda, device, mesh, more)
+        opt = build.optimizer(spec, model)
+        n_params = sum(p.numel() for p in model.parameters())
+        stack = _Stack(model)
+        try:
+            for step in range(1, MAX_STEPS_TRACED + 1):
+                _trace_step(step, spec, model, opt, device, mesh, t, say)
+        except Exception as exc:  # an op fake tensors cannot run (data-dependent shapes, …)
+            notes.append(_untraceable(exc, stack, model, opt, spec, t))
+        finally:
+            stack.close()
+    if not cuda:  # torch's step counters live on the host under CUDA: not the device's bytes
+        counters = _step_counters(opt)
+        for d in (*t.per_step, t.at_end):
+            if d.get(MemoryKind.OPTIMIZER_STATE, 0) >= counters:
+                d[MemoryKind.OPTIMIZER_STATE] -= counters
+    return _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
+
+
+def _result(
+    spec: Spec,
+    t: _Trace,
+    notes: list[str],
+    device: Any,
+    cuda: bool,
+    n_params: int,
+    opt: Any,
+    seconds: float,
+) -> Estimate:
+    import torch
+
+    steady = t.per_step[-1]
+    mods = t.best[1]
+    holder = None if t.in_optimizer else _holder(mods, sum(steady.values()))
+    resident = (MemoryKind.PARAMETERS, MemoryKind.BUFFERS, MemoryKind.OPTIMIZER_STATE)
+    if spec.keep_grads:
+        resident += (MemoryKind.GRADIENTS,)
+    return Estimate(
+        spec=asdict(spec),
+        device=str(device),
+        stand_in=not cuda,
+        parameters_count=n_params,
+        steady=steady,
+        first=t.per_step[0],
+        at_end={k: t.at_end.get(k, 0) for k in resident},
+        optimizer_state_managed=int(getattr(opt, "managed", 0)),
+        peak_module=holder.module if holder else "",
+        peak_phase=holder.phase if holder else ("optimizer step" if t.in_optimizer else ""),
+        modules=mods,
+        notes=notes,
+        stopped_at=t.stopped,
+        seconds=round(seconds, 2),
+        torch=torch.__version__,
+        device_allocated=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        unsharded_peak=t.unsharded,
+    )
