@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import lzma
 import pickle
 from collections import defaultdict
 from collections.abc import Iterable
@@ -44,9 +45,10 @@ class _DataOnly(pickle.Unpickler):
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
-    """A memory snapshot pickle, read with :class:`_DataOnly`."""
+    """A memory snapshot pickle (or one compressed with xz, ``.pickle.xz``, as the committed
+    histories are), read with :class:`_DataOnly`."""
     try:
-        with open(path, "rb") as f:
+        with lzma.open(path, "rb") if path.suffix == ".xz" else open(path, "rb") as f:
             snap = _DataOnly(f).load()
     except HistoryError as exc:
         raise HistoryError(f"{path.name}: {exc}") from None
@@ -61,6 +63,7 @@ def load_snapshot(path: Path) -> dict[str, Any]:
         OverflowError,
         AttributeError,
         KeyError,
+        lzma.LZMAError,
     ) as exc:
         raise HistoryError(
             f"{path.name} is not a readable snapshot ({type(exc).__name__})"
@@ -156,9 +159,12 @@ def load(folder: Path) -> list[tuple[int, int, dict[str, Any], list[dict[str, An
     """Every ``history-steps-A-B.pickle`` of ``folder`` in step order, as (A, B, snapshot, the
     marks of steps A–B from ``marks.json``)."""
     found = []
-    for p in folder.glob("history-steps-*.pickle"):
+    for p in folder.glob("history-steps-*.pickle*"):
+        if p.suffix not in (".pickle", ".xz") or p.name.endswith(".tmp"):
+            continue
+        stem = p.name.removesuffix(".xz").removesuffix(".pickle")
         try:
-            a, b = (int(x) for x in p.stem.removeprefix("history-steps-").split("-", 1))
+            a, b = (int(x) for x in stem.removeprefix("history-steps-").split("-", 1))
         except ValueError:
             continue
         found.append((a, b, p))
