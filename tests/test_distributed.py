@@ -22,10 +22,12 @@ BIN = Path(sys.executable).parent
 GIB = 1 << 30
 
 
-def torchrun(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, cwd: Path, timeout: int = 600, nproc: int = 2
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", *args],
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

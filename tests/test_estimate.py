@@ -468,3 +468,38 @@ def test_like_takes_a_stored_runs_model_optimizer_and_batch(tmp_path):
     run.write_text(json.dumps({"records": [], "workload_summary": {"workload": "spiky"}}))
     r = _cli("estimate", "--like", str(run))
     assert r.returncode == 2 and "not a finetune run" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp_path, world):
+    """FSDP2 at world size 2 and 4: the estimate (one rank over a fake process group) against
+    torch's FSDPMemTracker on real CPU gloo ranks of the same loop (workloads/distributed.py,
+    step 2): the rank's parameters, gradients and optimizer state, the all-gathered parameters,
+    the optimizer step's temporaries and the step's peak — the same on every rank, and the
+    temporaries a share of the rank's shard, not of the whole model."""
+    from tests.test_distributed import torchrun
+
+    res = torchrun("-m", "workloads.distributed", "--shard", "fsdp2", "--size", "tiny",
+                   "--steps", "2", "--track", str(tmp_path / "t"), "--no-probe",
+                   cwd=tmp_path, nproc=world)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    spec = Spec.for_machine(False, workload="distributed", size="tiny", world_size=world)
+    est = estimate(spec)
+    for rank in range(world):
+        doc = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
+        cur, peak = doc["current"]["cpu"], doc["peak"]["cpu"]
+        assert est.at_end["parameters"] == cur["Sharded Param"]
+        assert est.at_end["gradients"] == cur["Sharded Grad"]
+        # AdamW's step counters (a float32 scalar per parameter tensor) are the host's under
+        # CUDA, which the estimate stands in for: not counted there
+        counters = cur["OptState"] - est.at_end["optimizer_state"]
+        assert 0 < counters <= 4 * 64 and counters % 4 == 0
+        assert est.steady["unsharded_parameters"] == peak["Unsharded Param"]
+        temporaries = peak["OptState"] - cur["OptState"]
+        assert est.steady["optimizer_step_temporaries"] == temporaries
+        assert temporaries <= cur["Sharded Param"]
+        assert est.peak == pytest.approx(peak["Total"] - counters, rel=0.01)
+    # step 1's optimizer step (its state made, AdamW's foreach temporaries): the rank's shard
+    first = est.first["optimizer_step_temporaries"]
+    assert 0 <= first <= est.at_end["parameters"]
+    assert est.largest_peak == max(est.peak, est.first_peak)

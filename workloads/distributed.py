@@ -107,12 +107,12 @@ def _tracker(args: argparse.Namespace, model: Any, optimizer: Any) -> Any:
 def _tracked(tracker: Any) -> dict[str, Any]:
     """What PyTorch's tracker saw: its categories after the step (``current``), and for FSDP2
     the most unsharded-parameter bytes over its module snapshots."""
-    cur = tracker.get_tracker_snapshot("current")
     out: dict[str, Any] = {
-        "current": {
+        which: {
             str(d): {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-            for d, snap in cur.items()
+            for d, snap in tracker.get_tracker_snapshot(which).items()
         }
+        for which in ("current", "peak")
     }
     unsharded = 0
     for stats in getattr(tracker, "memory_tracking", {}).values():
@@ -134,7 +134,8 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     model = build(args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # foreach: CUDA's default, named so that CPU ranks take the same step (their default is off)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     if probe is not None:
         probe.watch(model, optimizer)
     vocab = model.config.vocab_size if hasattr(model, "config") else 512

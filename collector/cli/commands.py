@@ -322,6 +322,8 @@ def _need_nvml(prog: str) -> None:
 def _cmd_devices(ns: argparse.Namespace) -> int:
     if ns.backend != "replay":
         _need_nvml("stepmem devices")
+    if ns.calibrate is not None:
+        return _calibrate(ns)
     if ns.backend == "replay":
         from collector.replay import ReplayBackend
 
@@ -332,6 +334,28 @@ def _cmd_devices(ns: argparse.Namespace) -> int:
         backend = LiveBackend()
     for d in backend.devices():
         print(f"{d.index}  {d.uuid}  {d.name}  {d.total_bytes / GIB:.1f} GiB")
+    return 0
+
+
+def _calibrate(ns: argparse.Namespace) -> int:
+    if ns.backend == "replay":
+        raise UserError(
+            "stepmem devices --calibrate measures a real GPU: not with --backend replay"
+        )
+    from collector.estimate.calibrate import calibrate
+    from collector.estimate.gpus import save_calibration
+    from collector.model.units import gib
+
+    try:
+        c = calibrate(ns.calibrate, say=lambda m: print(m, file=sys.stderr, flush=True))
+    except RuntimeError as exc:
+        raise UserError(f"stepmem devices --calibrate: {exc}") from None
+    path = save_calibration(c)
+    print(
+        f"{c.gpu}: {gib(c.outside_torch)} outside torch after two training steps "
+        f"({gib(c.at_start)} once the CUDA context exists); driver {c.driver}, CUDA {c.cuda}, "
+        f"torch {c.torch}; kept in {path}"
+    )
     return 0
 
 

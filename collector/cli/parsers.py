@@ -280,6 +280,17 @@ def _estimate_parser(sub) -> None:
 def _devices_parser(sub) -> None:
     d = sub.add_parser("devices", help="list GPUs on this node by UUID")
     args.add_backend(d, ("nvml", "replay"), "nvml", gpus=False)
+    d.add_argument(
+        "--calibrate",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="INDEX",
+        help="measure what a training process holds on GPU INDEX (default 0) outside torch's "
+        "allocator (the CUDA context, kernels loaded on first use) and keep it for estimates "
+        "(in $STEPMEM_CALIBRATION, default ~/.config/stepmem/calibration.json); the GPU should "
+        "be otherwise idle",
+    )
 
 
 SUBCOMMANDS = (  # in the order `stepmem --help` lists them

@@ -1,7 +1,7 @@
 """What an estimate traces, built on the fake device: the model (a built-in shape or a Hugging
 Face config, read as data), its optimizer (AdamW, or a stand-in with bitsandbytes' 8-bit state
-layout), FSDP2 over a fake process group, and the attention kernel CUDA's dispatcher would
-pick. Nothing here allocates device memory: it runs inside the trace's ``FakeTensorMode``.
+layout) and FSDP2 over a fake process group. Nothing here allocates device memory: it runs
+inside the trace's ``FakeTensorMode``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from collector.model.errors import EstimateError
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 
 __all__ = [
-    "attention_is_math",
     "build_model",
     "fake_group",
     "group_closed",
     "layers",
-    "math_sdpa",
     "optimizer",
     "static_parts",
     "vocab",
@@ -135,43 +133,50 @@ def static_parts(model: Any, opt: Any, spec: Spec) -> dict[str, int]:
     return out
 
 
-def attention_is_math(spec: Spec, cuda: bool, device: Any, model: Any) -> bool:
-    """Whether scaled-dot-product attention runs PyTorch's math kernel in the real step. Fake
-    tensors pass a fused kernel's shape rules even where the real dispatcher has no kernel (on
-    the H200, torch 2.11: float32 with grouped key/value heads, which flash refuses for the
-    dtype and the memory-efficient kernel for the grouping), so on a GPU the dispatcher is asked
-    with a few real bytes of this model's head layout; without one, that rule stands in."""
-    import torch
-
-    cfg = getattr(model, "config", None)
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads < 1:
-        return False  # not a transformer config stepmem can read: trace what fake tensors take
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    dim = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", heads) // heads
-    gqa = kv != heads
-    if not cuda:
-        return gqa and not spec.bf16
+@contextlib.contextmanager
+def unpacked_inputs() -> Any:
+    """Transformers' packed-sequence check, answered as the real step answers it for the
+    trace's inputs (one sequence per row, positions 0…n−1): not packed. Under fake tensors it
+    cannot read the positions, takes the inputs for packed, and builds a full attention mask
+    that keeps every kernel but the math and memory-efficient ones out — which the real step,
+    passing ``is_causal`` and no mask, never does."""
     try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.nn.attention import SDPBackend
-
-        dtype = torch.bfloat16 if spec.bf16 else torch.float32
-        with unset_fake_temporarily():
-            q = torch.zeros(1, heads, 16, dim, device=device, dtype=dtype)
-            k = torch.zeros(1, kv, 16, dim, device=device, dtype=dtype)
-            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=None, enable_gqa=gqa)
-        return int(choice) == int(SDPBackend.MATH)
-    except Exception:  # a torch without the probe: trace what fake tensors take
-        return False
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    real = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = real
 
 
 @contextlib.contextmanager
-def math_sdpa() -> Any:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):
+def own_propagation_mode() -> Any:
+    """DTensor works out an operator's global output shape by running it on fake tensors of
+    the *global* shape — under the fake mode already active when there is one, where the trace
+    and torch's memory tracker count them as allocations of this rank (a sharded optimizer step
+    then shows whole-model temporaries that do not scale with the shard). For the trace's
+    duration that propagation gets a fake mode of its own, which neither counts."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+    except ImportError:
         yield
+        return
+    real = getattr(_sharding_prop, "detect_fake_mode", None)
+    if real is None:
+        yield
+        return
+    _sharding_prop.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = real
 
 
 def fake_group(world: int, device: Any) -> Any:

@@ -26,6 +26,15 @@ SHAPES: dict[str, dict[str, int]] = {
         num_key_value_heads=32,
         vocab_size=32000,
     ),
+    # ~3.4B (OpenLLaMA 3B's shape): a full fine-tune with PyTorch's AdamW on one GPU
+    "3b": dict(
+        hidden_size=3200,
+        num_hidden_layers=26,
+        intermediate_size=8640,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
     # ~1.1B (TinyLlama's shape): the distributed runs on one GPU
     "1b": dict(
         hidden_size=2048,

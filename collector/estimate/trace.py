@@ -21,13 +21,20 @@ What stepmem adds to torch's tracker, and says where it does:
   managed memory, outside torch's pool: it is predicted as ``optimizer_state_managed``, apart
   from the device total, because NVML counts it once its pages sit on the GPU and torch never
   does.
-* Without a GPU (CI) the fake tensors live on the CPU device, standing in for CUDA: byte counts
-  are the same; CPU autocast casts a few ops differently from CUDA's and attention takes the
-  CPU kernel, so activations are an approximation there (said in the estimate).
+* **What the GPU holds**, not only what tensors hold: every storage's creation and release is
+  logged in program order (:class:`~collector.estimate.sequence.AllocationLog`) and played
+  through a model of PyTorch's caching allocator (:mod:`collector.estimate.allocator`), which
+  gives torch's *reserved* bytes through each phase — the cache and split blocks no tracker
+  sees. NVML's figure adds this process's memory outside torch (the CUDA context and what loads
+  on first use: :mod:`collector.estimate.gpus`) and paged state.
+* **Without a GPU** (CI) the fake tensors live on the CPU device, standing in for CUDA, and
+  follow CUDA's rules (:mod:`collector.estimate.cuda_rules`): CUDA autocast's cast lists and
+  the attention kernel CUDA's dispatcher would pick. On a GPU, fake CUDA tensors take CUDA's own
+  autocast, and the attention kernel is asked of the real dispatcher.
 
-Memory that no tracker can predict (the CUDA context, cuBLAS workspaces, NCCL buffers, the
-allocator's cached-free and inactive-split bytes, other processes) is what
-:func:`collector.analysis.reconcile.reconcile` names from a measured run.
+Memory the estimate does not model (another process, a second stream's pool, kernels' internal
+workspaces other than cuBLAS's) is what :func:`collector.analysis.reconcile.reconcile` names from
+a measured run.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.estimate import build
+from collector.estimate import build, cuda_rules
+from collector.estimate.allocator import AllocatorConfig
+from collector.estimate.gpus import Card
+from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 from collector.model.prediction import Estimate, ModulePeak
@@ -74,6 +84,7 @@ _PHASES = {
     "Peak Backward": "backward",
 }
 MAX_STEPS_TRACED = 2
+MICRO_TRACED = 2  # micro-batches traced a step: from the second on, each holds what the last did
 MODULE_DEPTH = 4  # module names kept in the per-module account (Model.model.layers.N)
 
 
@@ -142,16 +153,12 @@ def _most_unsharded(tracker: Any, device: Any) -> int:
     return most
 
 
-def _step_counters(opt: Any) -> int:
-    """Bytes of the optimizer's per-parameter ``step`` tensors (CPU scalars unless capturable)."""
+def _step_counters(opt: Any) -> list[Any]:
+    """The optimizer's per-parameter ``step`` tensors (CPU scalars under CUDA unless capturable:
+    on the CPU stand-in they are on the traced device, where CUDA would not hold them)."""
     import torch
 
-    total = 0
-    for st in opt.state.values():
-        v = st.get("step")
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-    return total
+    return [st["step"] for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
 
 
 def _holder(mods: list[ModulePeak], peak: int) -> ModulePeak | None:
@@ -167,8 +174,13 @@ def _notes(spec: Spec, cuda: bool) -> list[str]:
     notes: list[str] = []
     if not cuda:
         notes.append(
-            "no GPU here: fake tensors on the CPU stand in for CUDA (same bytes; CPU autocast "
-            "and attention kernels differ, so activations are approximate)"
+            "no GPU here: fake tensors on the CPU stand in for CUDA, with CUDA's autocast cast "
+            "lists and the attention kernel CUDA's dispatcher picks"
+        )
+    if spec.grad_accum > MICRO_TRACED:
+        notes.append(
+            f"{MICRO_TRACED} of the {spec.grad_accum} micro-batches of a step traced: from the "
+            "second on, each holds what the one before held"
         )
     if spec.optim != "adamw_torch":
         notes.append(
@@ -201,29 +213,18 @@ class _Trace:
     in_optimizer: bool = False
     unsharded: int = 0
     stopped: str = ""
+    tracker: Any = None  # the step's tracker (its module stack names where memory is taken)
+    log: AllocationLog | None = None
 
 
-def _prepare(spec: Spec, model: Any, cuda: bool, device: Any, mesh: Any, more: Any) -> list[str]:
-    """Checkpointing, the attention kernel CUDA would pick, FSDP2 sharding; notes to say."""
-    notes = []
+def _prepare(spec: Spec, model: Any, mesh: Any) -> None:
+    """Checkpointing and FSDP2 sharding, as the real loop sets them up."""
     if spec.checkpointing:  # as the HF Trainer does (transformers 5 renamed it)
         enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
             model, "gradient_checkpointing_enable", None
         )
         if enable is not None:
             enable()
-    if build.attention_is_math(spec, cuda, device, model):
-        more.enter_context(build.math_sdpa())
-        notes.append(
-            "attention traced on PyTorch's math kernel, which keeps each layer's attention "
-            "probabilities for backward: "
-            + (
-                "CUDA's dispatcher picks it here for this dtype and head layout"
-                if cuda
-                else "CUDA's pick for float32 attention with grouped key/value heads (no "
-                "fused kernel takes both; measured on the H200, torch 2.11)"
-            )
-        )
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -231,7 +232,18 @@ def _prepare(spec: Spec, model: Any, cuda: bool, device: Any, mesh: Any, more: A
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.train()
-    return notes
+
+
+def _cuda_rules(spec: Spec, cuda: bool, device: Any, more: Any) -> Any:
+    """CUDA's rules for the trace: on the CPU stand-in CUDA autocast's cast lists; on both the
+    attention kernel CUDA would run. Returns the attention mode (its ``chosen`` counts)."""
+    import torch
+
+    dtype = torch.bfloat16 if spec.bf16 else None
+    if not cuda and dtype is not None:
+        more.enter_context(cuda_rules.cuda_autocast(dtype))
+    choose = cuda_rules.dispatcher_choice(device) if cuda else cuda_rules.rules_choice
+    return more.enter_context(cuda_rules.CudaAttention(dtype, choose))
 
 
 def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
@@ -240,33 +252,75 @@ def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
 
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs(())
-        return tracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+    _index_peaks(tracker)
     return tracker
+
+
+def _index_peaks(tracker: Any) -> None:
+    """The same per-module peak update as MemTracker's ``_update_peak_stats``, looked up by the
+    active modules' names instead of a walk over every module on every operator (which made a
+    7B trace spend most of its time there: O(operators x modules)). Left as torch's when its
+    internals are not the ones this was written against."""
+    need = ("memory_tracking", "_mod_tracker", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+    if not all(hasattr(tracker, n) for n in need):
+        return
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    by_name: dict[str, list[Any]] = {}
+    seen = [-1]
+
+    def update(peak_state: Any) -> None:
+        if len(tracker.memory_tracking) != seen[0]:
+            by_name.clear()
+            for stats in tracker.memory_tracking.values():
+                by_name.setdefault(stats.mod_fqn, []).append(stats)
+            seen[0] = len(tracker.memory_tracking)
+        snap = tracker._curr_mem_snap
+        for name in tracker._mod_tracker.parents:
+            for stats in by_name.get(name, ()):
+                if peak_state not in stats.snapshots:
+                    continue
+                for dev, dev_snap in snap.items():
+                    if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                        stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
+                        stats.snapshots[peak_state][-1][dev] = deepcopy(dev_snap)
+        for dev, dev_snap in snap.items():
+            if tracker._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                tracker._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    tracker._update_peak_stats = update
 
 
 def _trace_step(
     step: int, spec: Spec, model: Any, opt: Any, device: Any, mesh: Any, t: _Trace, say: Any
 ) -> None:
-    """Step ``step``: every micro-batch's forward and backward, then the optimizer step, under
-    a tracker of its own; what it found goes into ``t``."""
+    """Step ``step``: its micro-batches' forward and backward, then the optimizer step, under a
+    tracker of its own; what it found goes into ``t``, each phase's start into ``t.log``."""
     import torch
 
     root, last = type(model).__name__, step == MAX_STEPS_TRACED
     vocab = build.vocab(model)
-    tracker = _tracker(mesh, model, opt)
+    mark = t.log.mark if t.log is not None else (lambda _p: None)
+    tracker = t.tracker = _tracker(mesh, model, opt)
     with tracker:
-        for micro in range(spec.grad_accum):
+        for micro in range(min(spec.grad_accum, MICRO_TRACED)):
             say(f"tracing step {step}, micro-batch {micro + 1}/{spec.grad_accum}")
             tracker.reset_mod_stats()  # one forward per module per record
+            mark(f"{step} forward {micro + 1}")
             ids = torch.randint(0, vocab, (spec.batch, spec.seq_len), device=device)
             with torch.autocast(device.type, torch.bfloat16, enabled=spec.bf16):
                 loss = model(input_ids=ids, labels=ids).loss
+            mark(f"{step} backward {micro + 1}")
             (loss / spec.grad_accum).backward()
-            del loss
+            del loss, ids
             peak = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
             if last and peak > t.best[0]:
                 t.best = (peak, _module_peaks(tracker, root, device))
@@ -274,6 +328,7 @@ def _trace_step(
                 t.unsharded = max(t.unsharded, _most_unsharded(tracker, device))
         before = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
         say(f"tracing step {step}'s optimizer step")
+        mark(f"{step} optimizer")
         opt.step()
         model.zero_grad(set_to_none=not spec.keep_grads)
         parts = _parts(tracker.get_tracker_snapshot("peak"), device)
@@ -286,6 +341,8 @@ def _trace_step(
         parts[state] -= extra
         parts[MemoryKind.OPTIMIZER_STEP_TEMPORARIES] += extra
         t.per_step.append(parts)
+    t.tracker = None
+    mark(f"{step} end")
 
 
 def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t: _Trace) -> str:
@@ -298,6 +355,7 @@ def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t
     t.per_step = [static, static]
     t.at_end = dict(static)
     t.at_end[MemoryKind.GRADIENTS] = 0
+    t.log = None  # a partial sequence says nothing of the step's reserved bytes
     return (
         f"{t.stopped} could not be traced on fake tensors ({type(exc).__name__}: {line} "
         f"at {Path(frame.filename).name}:{frame.lineno}): parameters, gradients and "
@@ -314,23 +372,43 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def _where(t: _Trace, stack: list[_Stack]) -> Callable[[], str]:
+    """What runs now: the deepest module of the tracker's stack (forward and backward), else of
+    the forward hooks' stack."""
+
+    def now() -> str:
+        parents = getattr(getattr(t.tracker, "_mod_tracker", None), "parents", None)
+        if parents:
+            deepest = max(parents, key=lambda n: (n.count("."), len(n)))
+            if deepest != "Global":
+                return deepest
+        return stack[0].stack[-1] if stack and stack[0].stack else ""
+
+    return now
+
+
 def estimate(
     spec: Spec,
     progress: Callable[[str], None] | None = None,
     *,
     build_model: Callable[[], Any] | None = None,
     fake: bool = True,
+    allocator: AllocatorConfig | None = None,
+    card: Card | None = None,
 ) -> Estimate:
     """Predict ``spec``'s step memory (see the module doc). Never allocates device memory.
 
     ``build_model`` makes the model instead of ``spec``'s size or config (called on the fake
     device; the model takes ``input_ids`` and ``labels`` and returns an object with ``.loss``,
     as a Hugging Face causal LM does). ``fake=False`` runs the same trace on real tensors (tests
-    hold the fake trace to it)."""
+    hold the fake trace to it). ``allocator``: the caching allocator's settings (default:
+    ``PYTORCH_CUDA_ALLOC_CONF``'s); ``card``: the GPU the step is held against (whether it fits,
+    and where it would first run out)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec.validate()
+    allocator = allocator if allocator is not None else AllocatorConfig.from_env()
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
@@ -339,27 +417,99 @@ def estimate(
     mesh = build.fake_group(spec.world_size, device) if spec.shard == "fsdp2" else None
     mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
     t = _Trace()
+    stack: list[_Stack] = []
+    if fake:
+        t.log = AllocationLog(device, where_now=_where(t, stack))
     with mode, _quiet(), build.group_closed(mesh), contextlib.ExitStack() as more:
+        attention = _cuda_rules(spec, cuda, device, more) if fake else None
+        if fake:
+            more.enter_context(build.unpacked_inputs())
+            if mesh is not None:
+                more.enter_context(build.own_propagation_mode())
+        if t.log is not None:
+            more.enter_context(t.log.resizes())
+            more.enter_context(t.log.streams_followed(cuda))
+            more.enter_context(t.log.mode())
+            t.log.mark("build")
         say("building the model on fake tensors")
         with torch.device(device):
             model = build_model() if build_model is not None else build.build_model(spec)
-        notes += _prepare(spec, model, cuda, device, mesh, more)
+        _prepare(spec, model, mesh)
         opt = build.optimizer(spec, model)
         n_params = sum(p.numel() for p in model.parameters())
-        stack = _Stack(model)
+        stack.append(_Stack(model))
         try:
             for step in range(1, MAX_STEPS_TRACED + 1):
                 _trace_step(step, spec, model, opt, device, mesh, t, say)
         except Exception as exc:  # an op fake tensors cannot run (data-dependent shapes, …)
-            notes.append(_untraceable(exc, stack, model, opt, spec, t))
+            notes.append(_untraceable(exc, stack[0], model, opt, spec, t))
         finally:
-            stack.close()
-    if not cuda:  # torch's step counters live on the host under CUDA: not the device's bytes
-        counters = _step_counters(opt)
+            stack[0].close()
+        counters = _step_counters(opt) if not cuda else []
+        if t.log is not None:
+            t.log.drop({k for k in map(t.log.key_of, counters) if k is not None})
+    if counters:  # torch's step counters live on the host under CUDA: not the device's bytes
+        n = sum(c.numel() * c.element_size() for c in counters)
         for d in (*t.per_step, t.at_end):
-            if d.get(MemoryKind.OPTIMIZER_STATE, 0) >= counters:
-                d[MemoryKind.OPTIMIZER_STATE] -= counters
-    return _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
+            if d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
+                d[MemoryKind.OPTIMIZER_STATE] -= n
+    notes += _attention_note(getattr(attention, "chosen", {}))
+    out = _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
+    if t.log is not None:
+        _held(out, t.log, allocator, card, opt)
+    return out
+
+
+def _attention_note(chosen: dict[str, int]) -> list[str]:
+    if not chosen:
+        return []
+    kinds = ", ".join(f"{k} ({n} calls)" for k, n in sorted(chosen.items()))
+    note = f"attention traced on the kernel CUDA picks: {kinds}"
+    if "math" in chosen:
+        note += " — the math kernel keeps each layer's attention probabilities for backward"
+    return [note]
+
+
+def _held(
+    out: Estimate, log: AllocationLog, allocator: AllocatorConfig, card: Card | None, opt: Any
+) -> None:
+    """What the GPU holds: the sequence through the allocator model, per traced step; with a
+    card, whether the step fits it and, if not, where it first runs out."""
+    from collector.estimate import fit
+
+    sim = simulate(log.events, allocator, streams=log.streams)
+    out.allocator = allocator.describe()
+    out.steps = _steps(sim)
+    fit.hold(
+        out,
+        card,
+        lambda limit: simulate(
+            log.events, allocator, limit=limit, where=log.where, streams=log.streams
+        ),
+    )
+
+
+def _steps(sim: Simulated) -> list[dict[str, Any]]:
+    """Each traced step: allocated and reserved peaks (and the phase of the reserved one) and
+    what stays at its end, as torch's counters would read them."""
+    out = []
+    for step in range(1, MAX_STEPS_TRACED + 1):
+        phases = [p for p in sim.intervals if p.startswith(f"{step} ")]
+        if not phases:
+            continue
+        whole = sim.over(*phases)
+        top = max(phases, key=lambda p: sim.intervals[p].reserved_peak)
+        out.append(
+            {
+                "step": step,
+                "allocated_peak": whole.allocated_peak,
+                "reserved_peak": whole.reserved_peak,
+                "allocated_end": whole.allocated,
+                "reserved_end": whole.reserved,
+                "reserved_peak_phase": top.split(" ", 1)[1],
+            }
+        )
+    return out
 
 
 def _result(

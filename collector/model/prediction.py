@@ -56,6 +56,36 @@ class Estimate:
     device_allocated: int | None = None
     # FSDP2: the most all-gathered (unsharded) parameter bytes at any module boundary of step 2
     unsharded_peak: int = 0
+    # what the GPU holds (the allocator model; empty in estimates made before it): the settings
+    # assumed, and per traced step torch's allocated and reserved peaks and ends
+    allocator: str = ""
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    # this process's memory outside torch (CUDA context, kernels loaded on first use), and whence
+    outside_torch: int = 0
+    outside_source: str = ""
+    # the GPU held against (gpus.Card as data) and what fits on it (fit.hold)
+    card: dict[str, Any] | None = None
+    fit: dict[str, Any] | None = None
+
+    @property
+    def reserved_peak(self) -> int | None:
+        """Torch's reserved peak over the traced steps (None: not modelled)."""
+        return max((s["reserved_peak"] for s in self.steps), default=None)
+
+    @property
+    def allocated_peak(self) -> int | None:
+        """Torch's allocated peak over the traced steps as the allocator counts it (blocks
+        rounded to 512 bytes, cuBLAS's workspace included); None: not modelled."""
+        return max((s["allocated_peak"] for s in self.steps), default=None)
+
+    @property
+    def nvml_peak(self) -> int | None:
+        """What NVML would show at the peak: reserved, memory outside torch, paged state."""
+        r = self.reserved_peak
+        return None if r is None else r + self.outside_torch + self.optimizer_state_managed
+
+    def step_figures(self, step: int) -> dict[str, Any] | None:
+        return next((s for s in self.steps if s.get("step") == step), None)
 
     @property
     def peak(self) -> int:
@@ -64,6 +94,15 @@ class Estimate:
     @property
     def first_peak(self) -> int:
         return sum(self.first.values())
+
+    @property
+    def largest_peak(self) -> int:
+        """The largest allocated peak of the steps traced (what the headline names)."""
+        return max(self.peak, self.first_peak)
+
+    @property
+    def largest_step(self) -> int:
+        return 1 if self.first_peak > self.peak else 2
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +133,12 @@ class Estimate:
                     int(d["device_allocated"]) if d.get("device_allocated") is not None else None
                 ),
                 unsharded_peak=int(d.get("unsharded_peak", 0)),
+                allocator=str(d.get("allocator", ""))[:256],
+                steps=[_step(x) for x in list(d.get("steps") or [])[:16]],
+                outside_torch=_bytes(d.get("outside_torch", 0), "outside_torch"),
+                outside_source=str(d.get("outside_source", ""))[:256],
+                card=_card(d.get("card")),
+                fit=_fit(d.get("fit")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EstimateError(f"estimate: malformed ({exc})") from None
@@ -106,6 +151,57 @@ def _parts(v: Any, what: str) -> dict[str, int]:
     ):
         raise EstimateError(f"estimate: {what} must map names to byte counts")
     return {k: int(x) for k, x in v.items()}
+
+
+STEP_FIGURES = ("allocated_peak", "reserved_peak", "allocated_end", "reserved_end")
+
+
+def _bytes(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 50:
+        raise EstimateError(f"estimate: {what} must be a byte count")
+    return v
+
+
+def _step(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise EstimateError("estimate: a step's figures must be an object")
+    out: dict[str, Any] = {"step": _bytes(d.get("step"), "a step's number")}
+    for k in STEP_FIGURES:
+        out[k] = _bytes(d.get(k), f"step {out['step']}'s {k}")
+    out["reserved_peak_phase"] = str(d.get("reserved_peak_phase", ""))[:64]
+    return out
+
+
+def _card(d: Any) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise EstimateError("estimate: card must be an object")
+    return {
+        "name": str(d.get("name", ""))[:128],
+        "capacity": _bytes(d.get("capacity"), "the card's capacity"),
+        "outside_torch": _bytes(d.get("outside_torch", 0), "the card's outside_torch"),
+        "driver_reserved": _bytes(d.get("driver_reserved", 0), "the card's driver_reserved"),
+        "outside_source": str(d.get("outside_source", ""))[:256],
+        "assumed": bool(d.get("assumed", False)),
+    }
+
+
+def _fit(d: Any) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise EstimateError("estimate: fit must be an object")
+    out: dict[str, Any] = {"fits": bool(d.get("fits"))}
+    for k in ("limit", "need", "headroom", "retries", "request", "short"):
+        if d.get(k) is not None:
+            v = d[k]
+            if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 1 << 50:
+                raise EstimateError(f"estimate: fit's {k} must be a byte count")
+            out[k] = v
+    for k in ("phase", "module"):
+        out[k] = str(d.get(k, ""))[:256]
+    return out
 
 
 def _module(m: Any) -> ModulePeak:
