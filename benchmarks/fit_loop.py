@@ -8,9 +8,10 @@ measured side of ``benchmarks/results/fit``.
     python benchmarks/fit_loop.py --config benchmarks/configs/gpt2-medium.json --no-checkpointing
 
 ``--card-gib G`` limits torch's allocator to what a card of G GiB (nvidia-smi's total) leaves it
-(``torch.cuda.set_per_process_memory_fraction``: G less what the driver keeps, 616 MiB on the
-H200, and the process's memory outside torch, as a share of this GPU): a step that would not fit
-such a card runs out of memory here. The last line printed is the run's summary (JSON), ``"oom":
+(``torch.cuda.set_per_process_memory_fraction``: G less what the driver keeps and the process's
+memory outside torch — the very bytes ``stepmem estimate --gpu G`` holds a step against,
+``collector.estimate.fit.limit_of`` — as a share of this GPU): a step that would not fit such a
+card runs out of memory here. The last line printed is the run's summary (JSON), ``"oom":
 true`` when it ran out.
 """
 
@@ -36,8 +37,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--no-bf16", action="store_true")
     p.add_argument("--card-gib", type=float, help="limit torch to what a card this large leaves")
-    p.add_argument("--outside-gib", type=float, default=0.749, help="outside torch on that card")
-    p.add_argument("--driver-mib", type=float, default=616, help="what the driver keeps of it")
     p.add_argument("--no-probe", action="store_true")
     return p
 
@@ -61,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec.validate()
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")  # the CPU: a smoke test of the loop only
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if args.card_gib and cuda:
+        from collector.estimate.fit import limit_of
+        from collector.estimate.gpus import card
+
         total = torch.cuda.get_device_properties(dev).total_memory
-        allowed = (args.card_gib - args.outside_gib) * (1 << 30) - args.driver_mib * (1 << 20)
+        allowed = limit_of(card(f"{args.card_gib}"))
         share = allowed / total
-        out_share = round(share, 6)
+        limits = {"memory_fraction": round(share, 6), "allowed_bytes": allowed, "cuda_total": total}
         torch.cuda.set_per_process_memory_fraction(share, dev)
     probe = None if args.no_probe else StepProbe()
     torch.manual_seed(0)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = build.vocab(model)
     out = {"spec": {k: v for k, v in vars(args).items() if k != "config"}, "oom": False}
     if args.card_gib and cuda:
-        out["memory_fraction"] = out_share
+        out.update(limits)
     out["config"] = str(args.config) if args.config else None
     times, peaks = [], []
     try:

@@ -5,9 +5,10 @@
 #     of steps 1-3 in each run store); allocation histories of three more loops without Ray
 #     (sequence lengths changing every step, expandable segments, a small model without
 #     checkpointing); `stepmem devices --calibrate`; CUDA's attention-kernel choices.
-#  PART=2 (predict): `stepmem estimate` of every row on fake CUDA tensors, and the largest
-#     batch for smaller cards checked by training it (and one more) under
-#     set_per_process_memory_fraction.
+#  PART=2 (predict): `stepmem estimate` of every row on fake CUDA tensors (benchmarks/fit.py,
+#     six processes side by side), and the largest micro-batch `stepmem estimate --max-batch`
+#     finds for smaller cards checked by training it, and one more, with torch limited to what
+#     that card leaves (fit_loop.py --card-gib: set_per_process_memory_fraction).
 # Results as tarballs under $OUT (at most 8 files come back).
 #   device run:  PART=1 bash benchmarks/device/h200_fit.sh   (carry .bundle)
 source benchmarks/device/bundle.sh
@@ -60,6 +61,36 @@ if [ "$PART" = 1 ]; then
   hist small python benchmarks/fit_loop.py --size small --seq-len 1024 --batch 8 --no-checkpointing --steps 4
 fi
 
+largest() {  # largest NAME CARD ESTIMATE-FLAGS -- LOOP-FLAGS: the search, then b* and b*+1 for real
+  local name=$1 gpu=$2; shift 2; local est=() loop=() t0=$(date +%s)
+  while [ "$1" != "--" ]; do est+=("$1"); shift; done; shift; loop=("$@")
+  late "largest $name" && return
+  timeout 400 python -m collector.cli estimate "${est[@]}" --gpu "$gpu" --margin 0 --max-batch \
+    --out "$OUT/largest-$name.json" > "$OUT/largest-$name.txt" 2>&1
+  local b; b=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['largest']['largest'])" \
+    "$OUT/largest-$name.json" 2>/dev/null) || { say "== largest $name: no answer"; return; }
+  say "== largest $name on $gpu GiB: batch $b ($(( $(date +%s) - t0 )) s)"
+  for n in "$b" "$((b + 1))"; do
+    timeout 120 python benchmarks/fit_loop.py "${loop[@]}" --batch "$n" --card-gib "$gpu" --steps 3 \
+      --no-probe > "$OUT/largest-$name-batch$n.log" 2>&1
+    say "   batch $n: exit $? $(tail -1 "$OUT/largest-$name-batch$n.log" | cut -c1-160)"
+  done
+}
+
+if [ "$PART" = 2 ]; then
+  python -c "import torch; p=torch.cuda.get_device_properties(0); f,t=torch.cuda.mem_get_info(); \
+print('cuda total_memory', p.total_memory, 'mem_get_info', f, t)" >> "$OUT/env.txt"
+  [ -z "${NO_ESTIMATES:-}" ] && OMP_NUM_THREADS=2 timeout 560 python benchmarks/fit.py estimate \
+    "$OUT/gpu" --parallel > "$OUT/estimates.log" 2>&1 &
+  Q=benchmarks/configs/qwen2-1.5b.json G=benchmarks/configs/gpt2-medium.json
+  largest qwen2 40 --config $Q --optim adamw_torch --seq-len 2048 -- --config $Q --seq-len 2048 &
+  { largest gpt2 22.5 --config $G --optim adamw_torch --seq-len 1024 --no-checkpointing -- \
+      --config $G --seq-len 1024 --no-checkpointing
+    largest 3b 80 --size 3b --optim adamw_torch --seq-len 2048 -- --size 3b --seq-len 2048; } &
+  wait
+  [ -f "$OUT/estimates.log" ] && say "== estimates: $(tr '\n' ' ' < "$OUT/estimates.log")"
+fi
+
 cd "$OUT_ALL"
 pack() {  # pack NAME RUN...: the runs' histories in one archive (the largest files)
   local name=$1; shift; local dirs=()
@@ -70,9 +101,11 @@ pack() {  # pack NAME RUN...: the runs' histories in one archive (the largest fi
   [ ${#dirs[@]} -gt 0 ] && tar cJf "$name.tar.xz" -C "fit$PART/hist" "${dirs[@]}" \
     && (cd "fit$PART/hist" && rm -rf "${dirs[@]}")
 }
-mkdir -p "fit$PART/hist"
-pack hist-7b h200-fit-7b-adamw_8bit h200-fit-7b-paged
-pack hist-runs h200-fit-3b h200-fit-qwen2 h200-fit-gpt2 h200-fit-1b-fsdp2
-tar cJf hist-loops.tar.xz -C "fit$PART" hist && rm -rf "fit$PART/hist"
+if [ "$PART" = 1 ]; then
+  mkdir -p "fit$PART/hist"
+  pack hist-7b h200-fit-7b-adamw_8bit h200-fit-7b-paged
+  pack hist-runs h200-fit-3b h200-fit-qwen2 h200-fit-gpt2 h200-fit-1b-fsdp2
+  tar cJf hist-loops.tar.xz -C "fit$PART" hist && rm -rf "fit$PART/hist"
+fi
 tar cJf "fit$PART.tar.xz" "fit$PART" && rm -rf "fit$PART"
 ls -la "$OUT_ALL" >> "$S"

@@ -14,7 +14,7 @@ from pathlib import Path
 from collector import args
 from collector.cli.files import check_metrics_addr, check_store, writable_file, write_output
 from collector.model.errors import EstimateError, UserError
-from collector.model.units import GIB
+from collector.model.units import GIB, gib
 
 __all__ = ["COMMANDS", "EXIT_INCOMPLETE"]
 
@@ -254,19 +254,81 @@ def _estimate_spec(ns: argparse.Namespace, gpu: bool):  # -> Spec
     return spec
 
 
+def _target(ns: argparse.Namespace, cuda: bool):  # -> Target | None
+    """The GPU ``--gpu`` names (else this machine's), with ``--margin`` and
+    ``--memory-fraction``; None without a GPU to hold the step against."""
+    from collector.estimate import fit, gpus
+
+    if ns.gpu is not None:
+        card = gpus.card(ns.gpu)
+    elif cuda:
+        card = gpus.local_card()
+    else:
+        fit.check(ns.margin / 100, ns.memory_fraction)
+        for flag, given in (
+            ("--memory-fraction", ns.memory_fraction is not None),
+            ("--max-batch", ns.max_batch),
+            ("--max-seq-len", ns.max_seq_len),
+        ):
+            if given:
+                raise EstimateError(f"{flag} needs --gpu NAME|GIB (this machine has no GPU)")
+        return None
+    return fit.Target(card, ns.margin / 100, ns.memory_fraction)
+
+
+def _allocator(conf: str | None):  # -> AllocatorConfig
+    from collector.estimate.allocator_config import AllocatorConfig
+
+    if conf is None:
+        return AllocatorConfig.from_env()
+    try:
+        return AllocatorConfig.parse(conf, "--alloc-conf")
+    except EstimateError as exc:
+        raise EstimateError(f"--alloc-conf {conf}: {exc}") from None
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import torch
 
     from collector.estimate import estimate, render
+    from collector.estimate.largest import largest
 
     prog = "stepmem estimate"
     out = writable_file(ns.out, "--out", prog) if ns.out else None
+    cuda = torch.cuda.is_available()
     try:
-        spec = _estimate_spec(ns, torch.cuda.is_available())
-    except EstimateError as exc:  # a flag's file or run: the user's to fix, named with the flag
+        spec = _estimate_spec(ns, cuda)
+        allocator = _allocator(ns.alloc_conf)
+        target = _target(ns, cuda)
+    except EstimateError as exc:  # a flag's value, file or run: the user's to fix
         raise UserError(f"{prog}: {exc}") from None
     quiet = ns.json or not sys.stderr.isatty()
-    est = estimate(spec, progress=None if quiet else lambda m: print(f"… {m}", file=sys.stderr))
+
+    def say(m: str) -> None:
+        if not quiet:
+            print(f"… {m}", file=sys.stderr)
+
+    if ns.max_batch or ns.max_seq_len:
+        axis = "batch" if ns.max_batch else "seq_len"
+        say(f"searching the largest {'micro-batch' if ns.max_batch else 'sequence length'}")
+        est, search = largest(
+            spec,
+            axis,
+            target,
+            lambda s: estimate(s, allocator=allocator, target=target),
+            progress=say,
+        )
+        if est is None:
+            print(
+                f"{prog}: not even {axis.replace('_', ' ')} {search['traced'][0]['value']} fits "
+                f"{target.card.name}: it needs {gib(search['traced'][0]['need'])} GiB of "
+                f"{gib(target.usable)}",
+                file=sys.stderr,
+            )
+            return 3
+        est.largest = search
+    else:
+        est = estimate(spec, progress=say, allocator=allocator, target=target)
     data = json.dumps(est.to_dict(), indent=1)
     print(data if ns.json else render(est))
     if out is not None:

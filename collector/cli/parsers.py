@@ -213,12 +213,83 @@ def _dashboards_parser(sub) -> None:
     g.add_argument("--out", default="grafana/dashboards", help="folder for the JSON files")
 
 
+ESTIMATE_EPILOG = """\
+modelled:
+  parameters, buffers, gradients, optimizer state (8-bit and paged included), activations and
+  temporaries per module; CUDA autocast's casts and the attention kernel CUDA picks (also
+  without a GPU); the caching allocator (rounding, pools, best fit, splits, max_split_size_mb,
+  roundup_power2_divisions, garbage_collection_threshold, expandable_segments, a second
+  stream's pool, retries and out of memory); FSDP2 shards, one rank; NVML = reserved + the
+  process's memory outside torch (measured per GPU model; devices --calibrate for yours) +
+  paged optimizer state.
+not modelled:
+  other processes on the GPU; kernels' internal workspaces other than cuBLAS's (cuDNN, NCCL's
+  buffers beyond the calibrated figure); CUDA graphs; data-dependent shapes (the trace stops
+  there and says where); host memory.
+"""
+
+
+def _fit_flags(e) -> None:
+    """``stepmem estimate``'s "will it fit" flags: the GPU, the allocator, the search."""
+    from collector.estimate.gpus import GPUS
+    from collector.estimate.largest import SEQ_STEP
+
+    fit = e.add_argument_group(
+        "will it fit",
+        "what the GPU will hold: torch's reserved bytes from a model of its caching allocator, "
+        "and NVML's figure (reserved + this process's memory outside torch, measured per GPU "
+        "model: stepmem devices --calibrate)",
+    )
+    fit.add_argument(
+        "--gpu",
+        metavar="NAME|GIB",
+        help="hold the step against this GPU: one of "
+        f"{', '.join(GPUS)}, or a size in GiB (default: this machine's GPU, if it has one)",
+    )
+    fit.add_argument(
+        "--alloc-conf",
+        metavar="CONF",
+        help="the caching allocator's settings as PYTORCH_CUDA_ALLOC_CONF writes them "
+        "(default: that variable's, else PYTORCH_ALLOC_CONF's, else torch's defaults)",
+    )
+    fit.add_argument(
+        "--memory-fraction",
+        type=float,
+        metavar="F",
+        help="the share of the GPU torch may use, as torch.cuda.set_per_process_memory_fraction",
+    )
+    fit.add_argument(
+        "--margin",
+        type=float,
+        default=2.0,
+        metavar="PCT",
+        help="percent of what torch may reserve kept free when judging a fit (default 2, up to 50)",
+    )
+    search = fit.add_mutually_exclusive_group()
+    search.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="find the largest micro-batch that fits (traces a few sizes: seconds to minutes)",
+    )
+    search.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help=f"find the longest sequence that fits, in steps of {SEQ_STEP} tokens",
+    )
+
+
 def _estimate_parser(sub) -> None:
     from collector.estimate.spec import OPTIMS, SHAPES, SHARDS, WORKLOADS
 
     e = sub.add_parser(
         "estimate",
         help="predict a step's memory per component and module before it runs (no GPU memory)",
+        description="Predict a training step's GPU memory before it runs, and whether it fits: "
+        "the model is built and trained for two steps on fake tensors (no memory used, the same "
+        "on a machine without a GPU), torch's tracker files every tensor, and the storages' "
+        "creations and releases are played through a model of PyTorch's caching allocator.",
+        epilog=ESTIMATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument(
         "--workload",
@@ -273,6 +344,7 @@ def _estimate_parser(sub) -> None:
     )
     e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
+    _fit_flags(e)
     e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
 

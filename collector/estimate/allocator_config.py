@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from collector.model.errors import EstimateError
@@ -43,9 +43,10 @@ class AllocatorConfig:
     roundup_power2_divisions: tuple[int, ...] = (0,) * DIVISION_INTERVALS
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
+    source: str = field(default="torch's defaults", compare=False)  # where they were read
 
     @classmethod
-    def parse(cls, conf: str) -> AllocatorConfig:
+    def parse(cls, conf: str, source: str = "") -> AllocatorConfig:
         """The settings of a ``PYTORCH_CUDA_ALLOC_CONF`` string (``key:value,key:value``);
         :class:`EstimateError` for what torch would refuse, one line naming it."""
         kw: dict[str, Any] = {}
@@ -73,6 +74,8 @@ class AllocatorConfig:
                 if value not in ("True", "False"):
                     raise EstimateError(f"expandable_segments {value!r}: True or False")
                 kw["expandable_segments"] = value == "True"
+        if source and conf.strip():
+            kw["source"] = source
         return cls(**kw)
 
     @classmethod
@@ -80,10 +83,15 @@ class AllocatorConfig:
         """The settings this process's torch would read: ``PYTORCH_CUDA_ALLOC_CONF``, else
         ``PYTORCH_ALLOC_CONF`` (``c10/cuda/CUDAAllocatorConfig.h``'s order)."""
         env = os.environ if env is None else env
-        conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+        name = "PYTORCH_CUDA_ALLOC_CONF"
+        conf = env.get(name)
         if conf is None:
-            conf = env.get("PYTORCH_ALLOC_CONF")
-        return cls.parse(conf or "")
+            name = "PYTORCH_ALLOC_CONF"
+            conf = env.get(name)
+        try:
+            return cls.parse(conf or "", name)
+        except EstimateError as exc:
+            raise EstimateError(f"{name}: {exc}") from None
 
     @classmethod
     def from_snapshot(cls, settings: dict[str, Any]) -> AllocatorConfig:
@@ -96,6 +104,7 @@ class AllocatorConfig:
             roundup_power2_divisions=divisions,
             garbage_collection_threshold=float(settings.get("garbage_collection_threshold", 0)),
             expandable_segments=bool(settings.get("expandable_segments", False)),
+            source="the history's settings",
         )
 
     def describe(self) -> str:
@@ -110,7 +119,7 @@ class AllocatorConfig:
             parts.append(f"roundup_power2_divisions {list(self.roundup_power2_divisions)}")
         if self.garbage_collection_threshold:
             parts.append(f"garbage_collection_threshold {self.garbage_collection_threshold:g}")
-        return ", ".join(parts)
+        return ", ".join(parts) + f" ({self.source})"
 
     @property
     def split_limit(self) -> int:

@@ -30,6 +30,7 @@ __all__ = [
     "calibration_path",
     "card",
     "load_calibrations",
+    "local_card",
     "save_calibration",
 ]
 
@@ -80,10 +81,11 @@ MEASURED = (
         source="stepmem devices --calibrate on the H200, benchmarks/results/fit",
     ),
 )
-# What the driver keeps of the card for itself (nvidia-smi's "Reserved"; NVML v2 leaves it out
-# of "used"): 616 MiB on the H200 (benchmarks/results/fit/nvidia-smi-memory.txt). Assumed on
-# the other cards.
-DRIVER_RESERVED = 616 * MIB
+# What the driver keeps of the card for itself, no process can have it: NVML v2's "reserved",
+# and the difference between nvidia-smi's total and the total CUDA reports. 644,939,776 bytes on
+# the H200 (both, in every record of benchmarks/results/fit: nvidia-smi rounds it to 616 MiB);
+# assumed on the other cards.
+DRIVER_RESERVED = 644_939_776
 
 
 @dataclass(frozen=True)
@@ -218,3 +220,16 @@ def card(spec: str, calibrations: list[Calibration] | None = None) -> Card:
     full, capacity = found
     c, assumed = _outside(full, cals)
     return Card(full, capacity, c.outside_torch, f"{c.gpu} ({c.source})", assumed)
+
+
+def local_card(index: int | None = None) -> Card:
+    """This machine's GPU (torch's current one) as a card: by its name when stepmem knows it,
+    else by its size (CUDA's total and what the driver keeps)."""
+    import torch
+
+    dev = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(dev)
+    try:
+        return card(props.name)
+    except EstimateError:
+        return card(f"{(props.total_memory + DRIVER_RESERVED) / GIB:.3f}")

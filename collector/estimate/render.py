@@ -1,5 +1,6 @@
 """An estimate as text: what was estimated, the step's peaks by kind (step 1, step 2, what
-stays), where the peak is held, and the largest module peaks."""
+stays), where the peak is held, what the GPU will hold (torch's allocated and reserved, NVML's
+figure) and whether it fits the card, and the largest module peaks."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def _headline(est: Estimate) -> str:
     model = f"a {s['config'].get('model_type', '?')} config" if s.get("config") else s["size"]
     if s.get("shard") == "fsdp2":
         model += f", FSDP2 over {s.get('world_size', 1)} rank(s)"
+    n = est.parameters_count
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
     return (
-        f"Estimate: {model} ({est.parameters_count / 1e9:.2f}B parameters), {s['optim']}, "
+        f"Estimate: {model} ({count} parameters), {s['optim']}, "
         f"batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
         f"micro-batch{'es' if s['grad_accum'] > 1 else ''} a step"
         f"{', checkpointing' if s['checkpointing'] else ''}{', bf16 autocast' if s['bf16'] else ''}"
@@ -89,6 +92,81 @@ def _where(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
     return lines
 
 
+def _held(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
+    """What the GPU will hold per traced step, and whether it fits the card."""
+    if not est.steps:
+        return []
+    steps = est.steps
+    extra = est.outside_torch + est.optimizer_state_managed
+    lines = [
+        "",
+        f"What the GPU will hold ({unit}; PyTorch's caching allocator modelled: {est.allocator}):",
+        f"{'':<28}" + "".join(f"{'step ' + str(x['step']) + ' peak':>12}" for x in steps),
+        f"{'torch allocated':<28}" + "".join(f"{f(x['allocated_peak']):>12}" for x in steps),
+        f"{'torch reserved':<28}" + "".join(f"{f(x['reserved_peak']):>12}" for x in steps),
+        f"{'NVML used':<28}" + "".join(f"{f(x['reserved_peak'] + extra):>12}" for x in steps),
+    ]
+    paged = (
+        f" + paged state {f(est.optimizer_state_managed)}" if est.optimizer_state_managed else ""
+    )
+    top = max(steps, key=lambda x: x["reserved_peak"])
+    lines.append(
+        f"NVML = reserved + {f(est.outside_torch)} outside torch ({est.outside_source}){paged}; "
+        f"the reserved peak is step {top['step']}'s, in its {top['reserved_peak_phase']}."
+    )
+    lines += _fit(est, f, unit)
+    return lines
+
+
+def _fit(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
+    fit, card = est.fit, est.card
+    if not fit or not card:
+        return ["No GPU named (--gpu NAME|GIB): whether it fits was not judged."]
+    margin = f", {fit.get('margin', 0) * 100:g} % kept free" if fit.get("margin") else ""
+    fraction = f", memory fraction {fit['fraction']:g}" if fit.get("fraction") else ""
+    of = (
+        f"{f(fit.get('usable', fit['limit']))} {unit} torch may reserve on {card['name']} "
+        f"({f(card['capacity'])} {unit}, less {f(card['driver_reserved'])} the driver keeps, "
+        f"{f(card['outside_torch'])} outside torch{margin}{fraction})"
+    )
+    if fit["fits"] and not fit.get("retries"):
+        return [f"Fits: needs {f(fit['need'])} of {of}; headroom {f(fit['headroom'])} {unit}."]
+    if fit["fits"]:
+        return [
+            f"Fits only by freeing the allocator's cache {fit['retries']} time(s) (slower "
+            f"steps): the reserved peak {f(fit['need'])} is above {of}."
+        ]
+    step, _, rest = (fit.get("phase", "") or "").partition(" ")
+    when = f"step {step}'s {rest}" if step.isdigit() else "building the model"
+    module = f", in {fit['module']}" if fit.get("module") else ""
+    return [
+        f"Does not fit: needs {f(fit['need'])} of {of}. It first runs out {when}{module}, "
+        f"asking for {f(fit.get('request', 0))} {unit} ({f(fit.get('short', 0))} {unit} short)."
+    ]
+
+
+def _largest(est: Estimate) -> list[str]:
+    search = est.largest
+    if not search or search.get("largest") is None:
+        return []
+    axis = "micro-batch" if search["axis"] == "batch" else "sequence length"
+    traced = ", ".join(
+        f"{t['value']} {'fits' if t['fits'] else 'does not'}" for t in search["traced"]
+    )
+    above = [t for t in search["traced"] if not t["fits"] and t["value"] > search["largest"]]
+    nxt = min((t["value"] for t in above), default=None)
+    if nxt is None:
+        next_line = " (the search's upper bound: larger was not tried)"
+    elif search.get("converged"):
+        next_line = f" ({nxt} does not)"
+    else:
+        next_line = f" ({nxt} does not; the sizes between were not traced)"
+    return [
+        "",
+        f"Largest {axis} that fits: {search['largest']}{next_line}. Traced: {traced}.",
+    ]
+
+
 def render(est: Estimate, top: int = 8) -> str:
     div, unit = _unit(est.peak)
 
@@ -96,6 +174,7 @@ def render(est: Estimate, top: int = 8) -> str:
         return f"{b / div:.2f}"
 
     lines = [_headline(est), "", *_table(est, f, unit), *_where(est, f, unit)]
+    lines += _held(est, f, unit) + _largest(est)
     if est.modules:
         lines.append("")
         lines.append(f"Largest module peaks ({unit}; top {top} of step 2's last micro-batch):")

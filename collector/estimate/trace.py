@@ -50,7 +50,7 @@ from typing import Any
 
 from collector.estimate import build, cuda_rules
 from collector.estimate.allocator import AllocatorConfig
-from collector.estimate.gpus import Card
+from collector.estimate.fit import Target
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
@@ -394,7 +394,7 @@ def estimate(
     build_model: Callable[[], Any] | None = None,
     fake: bool = True,
     allocator: AllocatorConfig | None = None,
-    card: Card | None = None,
+    target: Target | None = None,
 ) -> Estimate:
     """Predict ``spec``'s step memory (see the module doc). Never allocates device memory.
 
@@ -402,7 +402,7 @@ def estimate(
     device; the model takes ``input_ids`` and ``labels`` and returns an object with ``.loss``,
     as a Hugging Face causal LM does). ``fake=False`` runs the same trace on real tensors (tests
     hold the fake trace to it). ``allocator``: the caching allocator's settings (default:
-    ``PYTORCH_CUDA_ALLOC_CONF``'s); ``card``: the GPU the step is held against (whether it fits,
+    ``PYTORCH_CUDA_ALLOC_CONF``'s); ``target``: the GPU the step is held against (whether it fits,
     and where it would first run out)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -456,7 +456,7 @@ def estimate(
     notes += _attention_note(getattr(attention, "chosen", {}))
     out = _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
     if t.log is not None:
-        _held(out, t.log, allocator, card, opt)
+        _held(out, t.log, allocator, target)
     return out
 
 
@@ -471,7 +471,7 @@ def _attention_note(chosen: dict[str, int]) -> list[str]:
 
 
 def _held(
-    out: Estimate, log: AllocationLog, allocator: AllocatorConfig, card: Card | None, opt: Any
+    out: Estimate, log: AllocationLog, allocator: AllocatorConfig, target: Target | None
 ) -> None:
     """What the GPU holds: the sequence through the allocator model, per traced step; with a
     card, whether the step fits it and, if not, where it first runs out."""
@@ -482,9 +482,14 @@ def _held(
     out.steps = _steps(sim)
     fit.hold(
         out,
-        card,
-        lambda limit: simulate(
-            log.events, allocator, limit=limit, where=log.where, streams=log.streams
+        target,
+        lambda limit, fraction: simulate(
+            log.events,
+            allocator,
+            limit=limit,
+            fraction=fraction,
+            where=log.where,
+            streams=log.streams,
         ),
     )
 

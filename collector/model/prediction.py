@@ -66,6 +66,8 @@ class Estimate:
     # the GPU held against (gpus.Card as data) and what fits on it (fit.hold)
     card: dict[str, Any] | None = None
     fit: dict[str, Any] | None = None
+    # --max-batch / --max-seq-len: the search (estimate.largest) that found this estimate's size
+    largest: dict[str, Any] | None = None
 
     @property
     def reserved_peak(self) -> int | None:
@@ -139,6 +141,7 @@ class Estimate:
                 outside_source=str(d.get("outside_source", ""))[:256],
                 card=_card(d.get("card")),
                 fit=_fit(d.get("fit")),
+                largest=_largest(d.get("largest")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EstimateError(f"estimate: malformed ({exc})") from None
@@ -193,7 +196,7 @@ def _fit(d: Any) -> dict[str, Any] | None:
     if not isinstance(d, dict):
         raise EstimateError("estimate: fit must be an object")
     out: dict[str, Any] = {"fits": bool(d.get("fits"))}
-    for k in ("limit", "need", "headroom", "retries", "request", "short"):
+    for k in ("limit", "usable", "need", "headroom", "retries", "request", "short"):
         if d.get(k) is not None:
             v = d[k]
             if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 1 << 50:
@@ -201,7 +204,41 @@ def _fit(d: Any) -> dict[str, Any] | None:
             out[k] = v
     for k in ("phase", "module"):
         out[k] = str(d.get(k, ""))[:256]
+    out["margin"] = _share(d.get("margin", 0.0), "fit's margin")
+    if d.get("fraction") is not None:
+        out["fraction"] = _share(d["fraction"], "fit's fraction")
     return out
+
+
+def _share(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise EstimateError(f"estimate: {what} must be a number from 0 to 1")
+    return float(v)
+
+
+def _largest(d: Any) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict) or d.get("axis") not in ("batch", "seq_len"):
+        raise EstimateError("estimate: largest must name its axis (batch or seq_len)")
+    found = d.get("largest")
+    return {
+        "axis": d["axis"],
+        "step": _bytes(d.get("step"), "largest's step"),
+        "largest": None if found is None else _bytes(found, "largest's value"),
+        "converged": bool(d.get("converged", False)),
+        "usable": _bytes(d.get("usable"), "largest's usable bytes"),
+        "margin": _share(d.get("margin", 0.0), "largest's margin"),
+        "traced": [
+            {
+                "value": _bytes(t.get("value"), "a traced value"),
+                "need": _bytes(t.get("need"), "a traced need"),
+                "fits": bool(t.get("fits")),
+            }
+            for t in list(d.get("traced") or [])[:64]
+            if isinstance(t, dict)
+        ],
+    }
 
 
 def _module(m: Any) -> ModulePeak:
