@@ -19,6 +19,7 @@ from collector.model.units import GIB, gib_figure
 __all__ = ["Row", "reconcile", "reconcile_run", "render_reconciliation"]
 
 OFF_SHARE = 0.05  # a predicted figure this far from the measured one is named
+NVML_OFF = 0.03  # NVML's peak this far from the prediction is explained
 
 
 @dataclass
@@ -135,25 +136,120 @@ def _jump(est: Estimate, first: StepRecord, steady: StepRecord) -> str | None:
     )
 
 
-def _cache(steady: StepRecord) -> Row | None:
+def _modelled(est: Estimate, first: bool) -> dict | None:
+    """The allocator model's figures for the first or the steady traced step (None: an
+    estimate made before the model)."""
+    if not est.steps:
+        return None
+    return est.steps[0] if first else est.steps[-1]
+
+
+def _cache(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
     res_peak, alloc_peak = steady.torch_reserved_peak_bytes, steady.torch_allocated_peak_bytes
     if res_peak is None or alloc_peak is None:
-        return None
-    return Row(
-        "allocator cache at the peak (reserved − allocated)",
-        0,
-        res_peak - alloc_peak,
-        f"not predictable by a tracker: cached-free blocks; "
-        f"{gib_figure(steady.inactive_split_end)} GiB in inactive split blocks at step end",
+        return []
+    held = _modelled(est, first=False)
+    if held is None:
+        return [
+            Row(
+                "allocator cache at the peak (reserved − allocated)",
+                0,
+                res_peak - alloc_peak,
+                "not predicted: this estimate was made before stepmem modelled the caching "
+                f"allocator; {gib_figure(steady.inactive_split_end)} GiB in inactive split "
+                "blocks at step end",
+            )
+        ]
+    rows = []
+    one = _modelled(est, first=True)
+    if first is not steady and first.torch_reserved_peak_bytes is not None and one is not None:
+        rows.append(
+            Row("step 1 reserved peak", one["reserved_peak"], first.torch_reserved_peak_bytes)
+        )
+    rows.append(
+        Row(
+            f"step {steady.step} reserved peak",
+            held["reserved_peak"],
+            res_peak,
+            f"the caching allocator modelled ({est.allocator or 'its defaults'})",
+        )
+    )
+    rows.append(
+        Row(
+            "allocator cache at the peak (reserved − allocated)",
+            held["reserved_peak"] - held["allocated_peak"],
+            res_peak - alloc_peak,
+            f"{gib_figure(steady.inactive_split_end)} GiB in inactive split blocks at step end",
+        )
+    )
+    return rows
+
+
+def _nvml(est: Estimate, steady: StepRecord, acc: Account | None) -> tuple[Row, str | None]:
+    """NVML's within-step peak, predicted (reserved + outside torch + managed) beside measured,
+    and a difference beyond :data:`NVML_OFF` named by what the estimate does not model."""
+    held = _modelled(est, first=False)
+    predicted = (
+        est.peak + est.optimizer_state_managed
+        if held is None
+        else held["reserved_peak"] + est.outside_torch + est.optimizer_state_managed
+    )
+    measured = steady.nvml_peak_bytes or 0
+    row = Row(
+        f"NVML used, step {steady.step}'s within-step peak",
+        predicted,
+        measured,
+        "what nvidia-smi shows: everything above"
+        if held is None
+        else "predicted: reserved + outside torch + managed",
+    )
+    off = measured - predicted
+    if held is None or abs(off) <= NVML_OFF * predicted:
+        return row, None
+    why = []
+    res = steady.torch_reserved_peak_bytes
+    if res is not None and abs(res - held["reserved_peak"]) > NVML_OFF / 2 * predicted:
+        d = res - held["reserved_peak"]
+        why.append(
+            f"torch reserved {gib_figure(d)} GiB "
+            + (
+                "more than modelled: a second stream's pool, kernels' own workspaces (cuDNN) "
+                "or a different batch or allocator setting"
+                if d > 0
+                else "less than modelled: the run is not the step estimated, or freed its cache"
+            )
+        )
+    if acc is not None:
+        outside = acc.baseline + (acc.outside or 0)
+        if abs(outside - est.outside_torch) > 64 << 20:
+            why.append(
+                f"this process outside torch {gib_figure(outside)} GiB measured, "
+                f"{gib_figure(est.outside_torch)} assumed ({est.outside_source}): NCCL's "
+                "buffers, another driver or torch — `stepmem devices --calibrate` measures it"
+            )
+        if acc.other_processes:
+            why.append(f"other processes held {gib_figure(acc.other_processes)} GiB")
+        managed = acc.no_process or 0
+        if abs(managed - est.optimizer_state_managed) > 64 << 20:
+            why.append(
+                f"managed memory {gib_figure(managed)} GiB measured, "
+                f"{gib_figure(est.optimizer_state_managed)} predicted"
+            )
+    return row, (
+        f"NVML's peak is {gib_figure(abs(off))} GiB {'above' if off > 0 else 'below'} the "
+        f"prediction ({off / predicted:+.1%}): "
+        + ("; ".join(why) if why else "not from torch's pool or this process's own memory")
+        + "."
     )
 
 
 def _outside(est: Estimate, acc: Account, step: int) -> list[Row]:
-    """This process outside torch, managed memory and other processes, by the accounting."""
+    """This process outside torch (predicted: the calibrated figure; 0 in estimates made before
+    it), managed memory and other processes, by the accounting."""
     rows = [
         Row(
             "this process outside torch (CUDA context, cuBLAS, NCCL)",
-            0,
+            est.outside_torch,
             acc.baseline + (acc.outside or 0),
             f"at step {step}'s end; of it {gib_figure(acc.first_use)} GiB appeared on first "
             "use (workspaces, communicator buffers)",
@@ -210,8 +306,7 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
     named += [off] if off else []
     jump = _jump(est, first, steady)
     named += [jump] if jump else []
-    cache = _cache(steady)
-    rows += [cache] if cache is not None else []
+    rows += _cache(est, first, steady)
     if steady.managed or est.optimizer_state_managed:
         named.append(
             f"Managed (paged) optimizer state: {gib_figure(steady.managed)} GiB measured, "
@@ -221,14 +316,9 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
     acc = next((a for a in accounts(recs) if a.step == steady.step), None)
     rows += _outside(est, acc, steady.step) if acc is not None else []
     if steady.nvml_peak_bytes is not None:
-        rows.append(
-            Row(
-                f"NVML used, step {steady.step}'s within-step peak",
-                est.peak + est.optimizer_state_managed,
-                steady.nvml_peak_bytes,
-                "what nvidia-smi shows: everything above",
-            )
-        )
+        nvml, why = _nvml(est, steady, acc)
+        rows.append(nvml)
+        named += [why] if why else []
     return rows, named + _mismatches(rows)
 
 

@@ -1,7 +1,7 @@
 """CUDA's rules on a machine without CUDA: an estimate traced on fake CPU tensors standing in for
 CUDA follows what CUDA would do, not what the CPU does.
 
-Two rules change what a step holds:
+Three rules change what a step holds:
 
 * **Autocast.** CUDA's autocast casts a different set of operators than the CPU's (softmax, layer
   and RMS norm, exp, pow… run in float32 on CUDA; the CPU casts fewer to bfloat16, and no
@@ -17,6 +17,14 @@ Two rules change what a step holds:
   otherwise (its math kernel whenever there is dropout). :class:`CudaAttention` routes
   ``F.scaled_dot_product_attention`` to the kernel CUDA would run, through that kernel's own
   operator (whose fake kernel gives its outputs and saved tensors): :func:`cuda_sdpa_choice`.
+* **Dropout.** On CUDA ``dropout`` is the fused ``native_dropout``, which keeps a one-byte mask
+  for backward; on the CPU it multiplies by a noise tensor of the input's dtype and keeps that
+  (``aten/src/ATen/native/Dropout.cpp``, ``is_fused_kernel_acceptable``): four times the bytes
+  in float32. :func:`cuda_dropout` runs the fused operator.
+
+Torch's tracker counts a CUDA storage in multiples of 512 bytes and a CPU storage as it is: the
+stand-in's per-kind figures can differ from CUDA's by under 512 bytes a tensor (a rotary
+buffer, a step counter); the allocator model rounds every request as CUDA does.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "CUDA_PROMOTE",
     "CudaAttention",
     "cuda_autocast",
+    "cuda_dropout",
     "cuda_sdpa_choice",
     "dispatcher_choice",
     "rules_choice",
@@ -334,6 +343,28 @@ def dispatcher_choice(device: Any) -> Any:
 def rules_choice(q: Any, k: Any, mask: Any, dropout: float, causal: bool, gqa: bool) -> str:
     """Without a GPU: :func:`cuda_sdpa_choice`."""
     return cuda_sdpa_choice(q.dtype, q.shape[-1], mask is not None, dropout, gqa)
+
+
+@contextlib.contextmanager
+def cuda_dropout() -> Iterator[None]:
+    """For its duration, ``torch.nn.functional.dropout`` (what ``nn.Dropout`` calls) in training
+    runs ``aten.native_dropout`` as CUDA does (its saved mask is boolean), not the CPU's
+    multiply by a noise tensor of the input's dtype. Replaced and put back, as
+    :class:`CudaAttention` does, so a checkpointed forward's recomputation runs it too."""
+    import torch
+
+    real = torch.nn.functional.dropout
+
+    def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if training and 0 < p < 1 and input.numel() > 0 and not inplace:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return real(input, p, training, inplace)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = real
 
 
 class CudaAttention:

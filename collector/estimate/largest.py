@@ -108,8 +108,8 @@ def _next(lo: int, hi: int | None, traced: dict[int, Estimate], usable: int, ste
     v = _on_grid(int(guess), step)
     if hi is not None and not lo < v < hi:  # the line misses the bracket (a step that fits
         v = _on_grid((lo + hi) // 2, step)  # only by freeing the cache): halve it
-    elif hi is None and v <= lo:
-        v = _on_grid(lo + max(step, lo // 4), step)
+    elif hi is None and v <= lo and _need(traced[lo]) > usable:  # fits only by retrying:
+        v = _on_grid(lo + max(step, lo // 4), step)  # the line cannot say how far; gallop
     if v <= lo:
         v = lo + step  # confirm the boundary: the size above the largest that fits
     return v

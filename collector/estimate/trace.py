@@ -235,13 +235,16 @@ def _prepare(spec: Spec, model: Any, mesh: Any) -> None:
 
 
 def _cuda_rules(spec: Spec, cuda: bool, device: Any, more: Any) -> Any:
-    """CUDA's rules for the trace: on the CPU stand-in CUDA autocast's cast lists; on both the
-    attention kernel CUDA would run. Returns the attention mode (its ``chosen`` counts)."""
+    """CUDA's rules for the fake trace: on the CPU stand-in CUDA autocast's cast lists and CUDA's
+    fused dropout; on both the attention kernel CUDA would run. Returns the attention mode (its
+    ``chosen`` counts)."""
     import torch
 
     dtype = torch.bfloat16 if spec.bf16 else None
     if not cuda and dtype is not None:
         more.enter_context(cuda_rules.cuda_autocast(dtype))
+    if not cuda:
+        more.enter_context(cuda_rules.cuda_dropout())
     choose = cuda_rules.dispatcher_choice(device) if cuda else cuda_rules.rules_choice
     return more.enter_context(cuda_rules.CudaAttention(dtype, choose))
 

@@ -203,7 +203,8 @@ def _fit(d: Any) -> dict[str, Any] | None:
                 raise EstimateError(f"estimate: fit's {k} must be a byte count")
             out[k] = v
     for k in ("phase", "module"):
-        out[k] = str(d.get(k, ""))[:256]
+        if k in d:
+            out[k] = str(d[k])[:256]
     out["margin"] = _share(d.get("margin", 0.0), "fit's margin")
     if d.get("fraction") is not None:
         out["fraction"] = _share(d["fraction"], "fit's fraction")
