@@ -62,6 +62,11 @@ def _table(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
 def _where(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
     """Why step 2 peaks above step 1, and where its peak is held."""
     lines = []
+    if est.largest_step == 1:
+        lines.append(
+            f"Step 1's peak ({f(est.first_peak)} {unit}) is the largest of the steps traced, "
+            f"{f(est.first_peak - est.peak)} {unit} above step 2's: the figures below are step 2's."
+        )
     jump = est.peak - est.first_peak
     state = MemoryKind.OPTIMIZER_STATE
     if jump > 0 and est.first.get(state, 0) < est.steady.get(state, 0):
