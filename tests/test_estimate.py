@@ -4,6 +4,7 @@ committed captures and estimates)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -203,6 +204,16 @@ def test_an_untraceable_model_names_the_module_and_estimates_the_rest(record_fau
         (["--config", "{tmp}/odd.json"], "could not build"),
         (["--size", "tiny", "--out", "/nonexistent/x.json"], "--out"),
         (["--like", "{tmp}"], "stepmem"),
+        (["--config", "{tmp}/kernel.json"], "loads no kernel named by it"),
+        (["--config", "{tmp}/backbone.json"], "fetches nothing"),
+        (["--config", "/dev/zero"], "not a regular file"),
+        (["--config", "{tmp}/fifo.json"], "not a regular file"),
+        (["--config", "{tmp}/deep.json"], "nested"),
+        (["--config", "{tmp}/nan.json"], "not a number JSON allows"),
+        (["--config", "{tmp}/latin1.json"], "not UTF-8"),
+        (["--config", "{tmp}/layers.json"], "at most 1,024"),
+        (["--config", "{tmp}/experts.json"], "at most 1,024"),
+        (["--size", "tiny", "--grad-accum", "1000000"], "grad_accum must be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, says, record_fault):
@@ -215,6 +226,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, says, record_fault):
         '{"model_type": "llama", "hidden_size": 10, "num_attention_heads": 3, '
         '"num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 20}'
     )
+    tiny = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+            "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64}  # fmt: skip
+    for name, extra in (
+        ("kernel", {"attn_implementation": "kernels-community/flash-attn3"}),
+        ("backbone", {"backbone": "microsoft/resnet-50", "use_pretrained_backbone": True}),
+        ("layers", {"num_hidden_layers": 1_000_000}),
+        ("experts", {"text_config": {"num_local_experts": 100_000}}),
+    ):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**tiny, **extra}))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "nan.json").write_text('{"model_type": "llama", "hidden_size": NaN}')
+    (tmp_path / "latin1.json").write_bytes(b'{"model_type": "llama\xe9"}')
+    os.mkfifo(tmp_path / "fifo.json")  # a reader that opened it would wait for ever
     r = _cli("estimate", *[a.replace("{tmp}", str(tmp_path)) for a in argv], timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -223,6 +247,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, says, record_fault):
 
 
 def test_a_malformed_estimate_file_is_refused_by_report(tmp_path):
+    """Not an estimate, a negative or absurd figure, Infinity, nesting past any estimate's,
+    bytes that are not UTF-8: one line and exit 2 (never a traceback)."""
     bad = tmp_path / "e.json"
     for text in (
         "[]",
@@ -230,12 +256,22 @@ def test_a_malformed_estimate_file_is_refused_by_report(tmp_path):
         '{"format": 1, "spec": {}, "device": "x", '
         '"stand_in": true, "parameters_count": 1, "steady": {"a": -1}, '
         '"first": {}, "at_end": {}}',
+        '{"format": 1, "spec": {}, "device": "x", "stand_in": true, '
+        '"parameters_count": Infinity, "steady": {}, "first": {}, "at_end": {}}',
+        '{"format": 1, "spec": {}, "device": "x", "stand_in": true, "parameters_count": 1, '
+        '"steady": {"activations": 1000000000000000000000000000000}, "first": {}, "at_end": {}}',
+        "[" * 50_000 + "]" * 50_000,
+        b'{"format": 1, "device": "\xff"}',
     ):
-        bad.write_text(text)
+        if isinstance(text, bytes):
+            bad.write_bytes(text)
+        else:
+            bad.write_text(text)
         with pytest.raises(EstimateError):
             load_estimate(bad)
         r = _cli("report", str(CAPTURES / "idle.capture.parquet"), "--estimate", str(bad))
         assert r.returncode == 2 and "estimate" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 # -- the committed H200 cases ------------------------------------------------------------------
@@ -503,3 +539,45 @@ def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp
     first = est.first["optimizer_step_temporaries"]
     assert 0 <= first <= est.at_end["parameters"]
     assert est.largest_peak == max(est.peak, est.first_peak)
+
+
+def test_nothing_in_a_config_reaches_the_network(tmp_path):
+    """A fake Hub on loopback (``HF_ENDPOINT``) hears nothing from an estimate: not from a
+    config naming a Hub kernel or a pretrained backbone (refused, one line), nor from a plain
+    one (built with the Hub off)."""
+    import http.server
+    import threading
+
+    heard: list[str] = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            heard.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{server.server_port}"
+    tiny = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+            "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64}  # fmt: skip
+    try:
+        for name, extra, code in (
+            ("kernel", {"attn_implementation": "kernels-community/flash-attn3"}, 2),
+            ("backbone", {"backbone": "microsoft/resnet-50", "use_pretrained_backbone": True}, 2),
+            ("plain", {}, 0),
+        ):
+            f = tmp_path / f"{name}.json"
+            f.write_text(json.dumps({**tiny, **extra}))
+            r = subprocess.run(
+                [sys.executable, "-m", "collector.cli", "estimate", "--config", str(f)],
+                capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+            )  # fmt: skip
+            assert r.returncode == code, (name, r.stderr)
+    finally:
+        server.shutdown()
+    assert heard == []

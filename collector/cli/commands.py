@@ -290,10 +290,11 @@ def _allocator(conf: str | None):  # -> AllocatorConfig
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import torch
 
-    from collector.estimate import estimate, render
+    from collector.estimate import build, estimate, render
     from collector.estimate.largest import largest
 
     prog = "stepmem estimate"
+    build.offline()  # a config is shapes: nothing in it reaches the network
     out = writable_file(ns.out, "--out", prog) if ns.out else None
     cuda = torch.cuda.is_available()
     try:

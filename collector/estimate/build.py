@@ -31,8 +31,26 @@ BNB_PAGED_MIN = 100_000  # bitsandbytes: tensors at least this large get paged s
 BNB_QMAP = 256 * 4 * 2  # the two shared quantisation maps (256 float32 each)
 
 
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def offline() -> None:
+    """The Hub off for this process: a config is shapes, and nothing in it (a kernel's name, a
+    backbone) may reach the network. Set before transformers and huggingface_hub read their
+    settings, and in their settings when they already have."""
+    import os
+    import sys
+
+    os.environ.update(OFFLINE)
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+
+
 def build_model(spec: Spec) -> Any:
-    """``spec``'s model (a Hugging Face config's, or a built-in Llama shape)."""
+    """``spec``'s model (a Hugging Face config's, or a built-in Llama shape), with the Hub
+    off (:func:`offline`)."""
+    offline()
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if spec.config is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from collector.model.errors import EstimateError
 from collector.model.units import GIB, MIB
+from collector.model.untrusted import inert, read_json
 
 __all__ = [
     "CALIBRATION_ENV",
@@ -117,13 +118,13 @@ def _calibration(d: Any) -> Calibration | None:
         return None
     try:
         c = Calibration(
-            gpu=str(d["gpu"])[:128],
+            gpu=inert(str(d["gpu"]))[:128],
             outside_torch=int(d["outside_torch"]),
             at_start=int(d.get("at_start", 0)),
             driver=str(d.get("driver", ""))[:64],
             cuda=str(d.get("cuda", ""))[:64],
             torch=str(d.get("torch", ""))[:64],
-            source=str(d.get("source", ""))[:256],
+            source=inert(str(d.get("source", "")))[:256],
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -137,15 +138,13 @@ def load_calibrations(path: Path | None = None) -> list[Calibration]:
     not one is an :class:`EstimateError`."""
     path = path or calibration_path()
     try:
-        if path.stat().st_size > MAX_CALIBRATION_BYTES:
-            raise EstimateError(f"calibration {path}: larger than 1 MiB; not a stepmem file")
-        data = json.loads(path.read_text())
+        data = read_json(path, MAX_CALIBRATION_BYTES, f"calibration {path}")
     except FileNotFoundError:
         return []
     except OSError as exc:
         raise EstimateError(f"calibration {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EstimateError(f"calibration {path}: not JSON ({exc})") from None
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from None
     items = data.get("calibrations") if isinstance(data, dict) else None
     if not isinstance(items, list):
         raise EstimateError(f"calibration {path}: not a stepmem calibration file")

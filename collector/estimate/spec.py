@@ -4,12 +4,12 @@ shapes and optimizers stepmem knows — which the ``finetune`` workload trains, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
+from collector.model.untrusted import read_json
 
 __all__ = ["OPTIMS", "SHAPES", "SHARDS", "WORKLOADS", "Spec", "read_config"]
 
@@ -65,6 +65,7 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 MAX_WORLD = 1 << 16
 MAX_SEQ = 1 << 20
+MAX_ACCUM = 4096  # micro-batches a step
 MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KiB
 
 
@@ -142,10 +143,10 @@ class Spec:
             raise EstimateError(
                 "bitsandbytes' optimizers under FSDP2 are not modelled: estimate with adamw_torch"
             )
-        for name in ("seq_len", "batch", "grad_accum"):
+        for name, top in (("seq_len", MAX_SEQ), ("batch", MAX_SEQ), ("grad_accum", MAX_ACCUM)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SEQ:
-                raise EstimateError(f"{name} must be a whole number from 1 to {MAX_SEQ}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise EstimateError(f"{name} must be a whole number from 1 to {top:,}")
         if self.config is None and self.size is None:
             raise EstimateError("a model: a built-in size or a Hugging Face config")
         if self.config is None and self.size not in SHAPES:
@@ -153,22 +154,68 @@ class Spec:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` (or the folder holding it) as data: JSON of at most
-    :data:`MAX_CONFIG_BYTES` with a ``model_type``; a config whose model is custom code
-    (``auto_map``) is refused — stepmem runs no code from a config."""
+    """A Hugging Face ``config.json`` (or the folder holding it) as data: a regular file of JSON
+    of at most :data:`MAX_CONFIG_BYTES` with a ``model_type``. A config is shapes: one whose
+    model is custom code (``auto_map``), whose attention is anything but torch's own kernels (a
+    name the ``kernels`` library would fetch from the Hub), or that names a pretrained backbone
+    to download is refused; so is a model too large to trace (:func:`check_shapes`). stepmem
+    runs no code from a config and nothing in it reaches the network."""
     f = path / "config.json" if path.is_dir() else path
     try:
-        if f.stat().st_size > MAX_CONFIG_BYTES:
-            raise EstimateError(f"--config {f}: larger than 1 MiB; not a model config")
-        cfg = json.loads(f.read_text())
+        cfg = read_json(f, MAX_CONFIG_BYTES, f"--config {f}")
     except OSError as exc:
         raise EstimateError(f"--config {f}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EstimateError(f"--config {f}: not JSON ({exc})") from None
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise EstimateError(f"--config {f}: a config.json with a model_type")
     if cfg.get("auto_map"):
         raise EstimateError(
             f"--config {f}: its model is custom code (auto_map); stepmem runs no code from a config"
         )
+    check_shapes(cfg, f"--config {f}")
     return cfg
+
+
+ATTENTION = ("eager", "sdpa")  # the attention implementations torch itself ships
+_FETCHING = ("backbone", "use_pretrained_backbone", "use_timm_backbone")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "vocab_size")
+MAX_LAYERS = 1024  # the deepest released models have a few hundred
+MAX_EXPERTS = 1024
+MAX_WIDTH = 1 << 22
+
+
+def check_shapes(cfg: dict[str, Any], where: str) -> None:
+    """:class:`EstimateError` for what in a config (or a sub-config) would reach the network
+    or could not be traced in bounded time: an attention implementation other than
+    :data:`ATTENTION`, a backbone to fetch, more than :data:`MAX_LAYERS` layers or
+    :data:`MAX_EXPERTS` experts, a width over :data:`MAX_WIDTH`."""
+    todo = [cfg]
+    while todo:
+        c = todo.pop()
+        for k, v in c.items():
+            if isinstance(v, dict):
+                todo.append(v)
+            elif k in ("attn_implementation", "_attn_implementation") and v is not None:
+                if v not in ATTENTION:
+                    raise EstimateError(
+                        f"{where}: {k} {str(v)[:80]!r}: one of {', '.join(ATTENTION)} (a config "
+                        "is shapes; stepmem loads no kernel named by it)"
+                    )
+            elif k in _FETCHING and v:
+                raise EstimateError(
+                    f"{where}: {k}: a pretrained backbone is fetched from the network; stepmem "
+                    "reads no weights and fetches nothing for an estimate"
+                )
+            elif k in _LAYER_KEYS + _EXPERT_KEYS + _WIDTH_KEYS and not isinstance(v, bool):
+                top = (
+                    MAX_LAYERS
+                    if k in _LAYER_KEYS
+                    else MAX_EXPERTS
+                    if k in _EXPERT_KEYS
+                    else MAX_WIDTH
+                )
+                if isinstance(v, int) and not 0 <= v <= top:
+                    raise EstimateError(f"{where}: {k} {v}: at most {top:,} for an estimate")

@@ -6,12 +6,12 @@ checked here and never executed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
+from collector.model.untrusted import inert, read_json
 
 __all__ = ["FORMAT", "Estimate", "ModulePeak", "load_estimate"]
 
@@ -116,40 +116,54 @@ class Estimate:
             raise EstimateError("not a stepmem estimate (format 1)")
         try:
             return cls(
-                spec=dict(d["spec"]),
-                device=str(d["device"])[:64],
+                spec=_tree(dict(d["spec"])),
+                device=_text(d["device"], 64),
                 stand_in=bool(d["stand_in"]),
                 parameters_count=int(d["parameters_count"]),
                 steady=_parts(d["steady"], "steady"),
                 first=_parts(d["first"], "first"),
                 at_end=_parts(d["at_end"], "at_end"),
                 optimizer_state_managed=int(d.get("optimizer_state_managed", 0)),
-                peak_module=str(d.get("peak_module", ""))[:256],
-                peak_phase=str(d.get("peak_phase", ""))[:16],
+                peak_module=_text(d.get("peak_module", ""), 256),
+                peak_phase=_text(d.get("peak_phase", ""), 16),
                 modules=[_module(m) for m in d.get("modules", [])[:10_000]],
-                notes=[str(x)[:500] for x in d.get("notes", [])][:50],
-                stopped_at=str(d.get("stopped_at", ""))[:256],
+                notes=[_text(x, 500) for x in d.get("notes", [])][:50],
+                stopped_at=_text(d.get("stopped_at", ""), 256),
                 seconds=float(d.get("seconds", 0.0)),
-                torch=str(d.get("torch", ""))[:64],
+                torch=_text(d.get("torch", ""), 64),
                 device_allocated=(
                     int(d["device_allocated"]) if d.get("device_allocated") is not None else None
                 ),
                 unsharded_peak=int(d.get("unsharded_peak", 0)),
-                allocator=str(d.get("allocator", ""))[:256],
+                allocator=_text(d.get("allocator", ""), 256),
                 steps=[_step(x) for x in list(d.get("steps") or [])[:16]],
                 outside_torch=_bytes(d.get("outside_torch", 0), "outside_torch"),
-                outside_source=str(d.get("outside_source", ""))[:256],
+                outside_source=_text(d.get("outside_source", ""), 256),
                 card=_card(d.get("card")),
                 fit=_fit(d.get("fit")),
                 largest=_largest(d.get("largest")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EstimateError(f"estimate: malformed ({exc})") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise EstimateError(f"estimate: malformed ({_text(exc, 200)})") from None
+
+
+def _text(v: Any, n: int) -> str:
+    """A string from the file, inert (no terminal escapes) and bounded."""
+    return inert(str(v))[:n]
+
+
+def _tree(v: Any) -> Any:
+    """The spec as read: every string in it inert (it is printed in the headline)."""
+    if isinstance(v, dict):
+        return {_text(k, 256): _tree(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_tree(x) for x in v]
+    return _text(v, 256) if isinstance(v, str) else v
 
 
 def _parts(v: Any, what: str) -> dict[str, int]:
     if not isinstance(v, dict) or not all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 50
         for k, x in v.items()
     ):
         raise EstimateError(f"estimate: {what} must map names to byte counts")
@@ -171,7 +185,7 @@ def _step(d: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"step": _bytes(d.get("step"), "a step's number")}
     for k in STEP_FIGURES:
         out[k] = _bytes(d.get(k), f"step {out['step']}'s {k}")
-    out["reserved_peak_phase"] = str(d.get("reserved_peak_phase", ""))[:64]
+    out["reserved_peak_phase"] = _text(d.get("reserved_peak_phase", ""), 64)
     return out
 
 
@@ -181,11 +195,11 @@ def _card(d: Any) -> dict[str, Any] | None:
     if not isinstance(d, dict):
         raise EstimateError("estimate: card must be an object")
     return {
-        "name": str(d.get("name", ""))[:128],
+        "name": _text(d.get("name", ""), 128),
         "capacity": _bytes(d.get("capacity"), "the card's capacity"),
         "outside_torch": _bytes(d.get("outside_torch", 0), "the card's outside_torch"),
         "driver_reserved": _bytes(d.get("driver_reserved", 0), "the card's driver_reserved"),
-        "outside_source": str(d.get("outside_source", ""))[:256],
+        "outside_source": _text(d.get("outside_source", ""), 256),
         "assumed": bool(d.get("assumed", False)),
     }
 
@@ -204,7 +218,7 @@ def _fit(d: Any) -> dict[str, Any] | None:
             out[k] = v
     for k in ("phase", "module"):
         if k in d:
-            out[k] = str(d[k])[:256]
+            out[k] = _text(d[k], 256)
     out["margin"] = _share(d.get("margin", 0.0), "fit's margin")
     if d.get("fraction") is not None:
         out["fraction"] = _share(d["fraction"], "fit's fraction")
@@ -244,20 +258,23 @@ def _largest(d: Any) -> dict[str, Any] | None:
 
 def _module(m: Any) -> ModulePeak:
     return ModulePeak(
-        str(m["module"])[:256],
-        str(m["phase"]),
+        _text(m["module"], 256),
+        _text(m["phase"], 16),
         int(m["total"]),
         _parts(m["parts"], "a module's parts"),
     )
 
 
+MAX_ESTIMATE_BYTES = 64 << 20  # an estimate of the 7B is 60 KB
+
+
 def load_estimate(path: Path) -> Estimate:
-    """The estimate in ``path`` (``stepmem estimate --out``), checked."""
+    """The estimate in ``path`` (``stepmem estimate --out``), checked: a regular file, bounded,
+    JSON without NaN or Infinity, shallow (:func:`collector.model.untrusted.read_json`)."""
     try:
-        text = Path(path).read_text()
+        doc = read_json(path, MAX_ESTIMATE_BYTES, f"estimate {path}")
     except OSError as exc:
         raise EstimateError(f"estimate {path}: {exc.strerror or exc}") from None
-    try:
-        return Estimate.from_dict(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise EstimateError(f"estimate {path}: not JSON ({exc.msg})") from None
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from None
+    return Estimate.from_dict(doc)
