@@ -49,12 +49,14 @@ import pyarrow.parquet as pq
 from collector.model.errors import StepmemError
 from collector.model.records import StepEvent
 from collector.model.step import StepRecord
+from collector.model.untrusted import MAX_DEPTH, depth, read_json
 
 __all__ = ["STEP_COLUMNS", "RunStore", "RunWriter", "StoreError", "flatten_record"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+MAX_META_BYTES = 64 << 20  # a run's meta.json: a few KB a GPU
 RESERVE_BYTES = 256 << 10  # room kept free for the final meta.json on a disk that fills up
 
 
@@ -124,12 +126,26 @@ def unflatten_record(row: dict[str, Any]) -> dict[str, Any]:
         if dot and name in _FLAT_DICTS:
             rec[name][key] = int(v)
         elif k in _JSON:
-            rec[k] = json.loads(v)
+            rec[k] = _json_cell(v, k)
         else:
             v = v.item() if hasattr(v, "item") else v
             # an integer column with a missing value reads back as floats
             rec[k] = int(v) if isinstance(v, float) and v.is_integer() else v
     return rec
+
+
+def _json_cell(v: Any, column: str) -> Any:
+    """A JSON column's value, as data: ``ValueError`` for what is not JSON or nests deeper
+    than any stepmem writes (a hand-made store)."""
+    try:
+        doc = json.loads(v)
+    except RecursionError:
+        raise ValueError(f"column {column} is nested too deeply") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"column {column} is not JSON") from None
+    if depth(doc) > MAX_DEPTH:
+        raise ValueError(f"column {column} is nested too deeply")
+    return doc
 
 
 def _safe_name(uuid: str) -> str:
@@ -289,9 +305,11 @@ class RunStore:
         if not meta_path.is_file():
             raise StoreError(f"{self.root} is not a stepmem run directory (no meta.json)")
         try:
-            self.meta = json.loads(meta_path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            raise StoreError(f"{meta_path} is corrupt") from None
+            self.meta = read_json(meta_path, MAX_META_BYTES, str(meta_path))
+        except OSError as exc:
+            raise StoreError(f"{meta_path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise StoreError(f"{meta_path} is corrupt ({str(exc).split(': ', 1)[-1]})") from None
         if not isinstance(self.meta, dict):
             raise StoreError(f"{meta_path}: must be a JSON object, got {type(self.meta).__name__}")
         if self.meta.get("format") != FORMAT:

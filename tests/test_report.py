@@ -461,3 +461,98 @@ def test_rich_markup_in_a_phase_name_is_printed_as_text(tmp_path):
     rec["banner"] = "[/bold]oops"
     text, _ = render_report(Run("r", rec, typed(recs)))
     assert "[/bold]oops" in text
+
+
+# -- files a reader must survive (round 4: S7, S8, C5, C6) ----------------------------------------
+
+FIT_RUN = Path(__file__).resolve().parent.parent / "benchmarks/results/fit/runs/h200-fit-gpt2"
+
+
+def _report(path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collector.cli", "report", str(path)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _set_column(d: Path, column: str, value: str) -> None:
+    """Every row of the store's first steps part given ``value`` in ``column`` (types kept)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = sorted((d / "steps").glob("*.parquet"))[0]
+    t = pq.read_table(part)
+    i = t.schema.get_field_index(column)
+    col = pa.array([value] * t.num_rows, type=t.schema.field(i).type)
+    pq.write_table(t.set_column(i, t.schema.field(i), col), part)
+
+
+def _store_copy(tmp_path, name: str) -> Path:
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(FIT_RUN, dst)
+    return dst
+
+
+def test_terminal_escapes_and_markup_from_a_records_file_print_as_plain_text(tmp_path):
+    """A phase, gap, error and banner carrying OSC 52 (clipboard), OSC 0 (title), concealed
+    text and Rich markup: the report prints no control character and the markup as it is."""
+    rec = json.loads(RECORDS.read_text())
+    evil = "opt\x1b]52;c;cHduZWQ=\x1b\\\x1b]0;PWNED\x07\x1b[8mhidden"
+    rec["records"][0]["phases"][1]["phase"] = evil
+    rec["records"][1]["gap"] = "[/y]"
+    rec["records"][2]["error"] = "\x1b[2JBoom"
+    rec["banner"] = "\x1b[31mred\x1b[0m"
+    f = tmp_path / "evil.json"
+    f.write_text(json.dumps(rec))
+    r = _report(f)
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x1b\x07\x9b"), repr(r.stdout[:300])
+    assert "[/y]" in r.stdout and "Boom" in r.stdout  # the words stay, inert
+
+
+def test_a_stores_gap_with_markup_and_junk_health_are_read(tmp_path):
+    d = _store_copy(tmp_path, "gap_markup")
+    _set_column(d, "gap", "[/x]")
+    meta = json.loads((d / "meta.json").read_text())
+    meta["health"][0]["rate_hz"] = "x"
+    meta["health"][0]["missed_deadlines"] = [1]
+    (d / "meta.json").write_text(json.dumps(meta))
+    r = _report(d)
+    assert r.returncode == 0, r.stderr
+    assert "[/x]" in r.stdout
+
+
+@pytest.mark.parametrize("what", ["meta", "phases"])
+def test_a_store_nested_deeper_than_any_stepmem_writes_is_one_line(tmp_path, what, record_fault):
+    d = _store_copy(tmp_path, f"{what}_deep")
+    deep = "[" * 100_000 + "]" * 100_000
+    if what == "meta":
+        (d / "meta.json").write_text(deep)
+    else:
+        _set_column(d, "phases", deep)
+    r = _report(d)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "nested" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    record_fault(f"bad input: a run store whose {what} nests 100,000 deep", r.stderr.strip()[:160])
+
+
+def test_a_history_pickle_of_shared_references_is_read_in_bounded_time(tmp_path):
+    """S7: one stack of 100,000 frames shared by 20,000 entries (a 240 KB data-only pickle)
+    would take the report hours frame by frame; each stack is walked once and at most 512
+    frames of it."""
+    import pickle
+
+    d = _store_copy(tmp_path, "bomb")
+    for p in (d / "history").glob("history-*"):
+        p.unlink()
+    f = {"filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py", "line": 1,
+         "name": "f"}  # fmt: skip
+    e = {"action": "alloc", "addr": 1, "size": 1, "frames": [f] * 100_000, "time_us": 1}
+    with open(d / "history" / "history-steps-1-1.pickle", "wb") as out:
+        pickle.dump({"device_traces": [[e] * 20_000], "segments": []}, out, protocol=4)
+    assert (d / "history" / "history-steps-1-1.pickle").stat().st_size < 300_000
+    r = _report(d, timeout=600)  # hours before the bound; a guard, not a wait
+    assert r.returncode == 0, r.stderr
+    assert "Allocation sites" in r.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import lzma
 import pickle
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.model.errors import InputError
+from collector.model.untrusted import inert, read_json
 
 __all__ = ["HistoryError", "Site", "StepSites", "load", "site_of", "step_sites"]
 
@@ -74,6 +76,13 @@ def load_snapshot(path: Path) -> dict[str, Any]:
 
 
 NO_FRAMES = "(no Python frame: autograd's engine or other C++ code)"
+# Bounds on what a history may ask of the reader (a data-only pickle can share one stack among
+# millions of entries): PyTorch's histories of a few steps hold tens of thousands of events,
+# stacks of a few dozen frames, a handful of marks a step.
+MAX_ENTRIES = 2_000_000
+MAX_FRAMES = 512
+MAX_MARKS = 4096
+MAX_MARKS_BYTES = 4 << 20
 # modules that are plumbing, not the line that asked for memory (PyTorch's own, the stdlib's)
 _PLUMBING = ("torch/", "contextlib.py", "functools.py", "threading.py")
 _LIBRARY_ROOTS = ("site-packages/", "dist-packages/")
@@ -117,7 +126,7 @@ def site_of(frames: Iterable[dict[str, Any]]) -> str:
     library's line, ``file:line (function)``), preceded by the innermost frame of the user's
     own code that led to it (``workloads/cases.py:69 (run) → transformers/…:480 (forward)``)
     when that is another frame; a frame of PyTorch's when there is no other."""
-    frames = list(frames or [])
+    frames = list(itertools.islice(frames or [], MAX_FRAMES))
     lib = None
     for f in frames:
         name = str(f.get("filename", ""))
@@ -133,7 +142,8 @@ def site_of(frames: Iterable[dict[str, Any]]) -> str:
 
 
 def _fmt(f: dict[str, Any]) -> str:
-    return f"{_short(str(f.get('filename', '?')))}:{f.get('line', '?')} ({f.get('name', '?')})"
+    where = f"{_short(str(f.get('filename', '?')))}:{f.get('line', '?')} ({f.get('name', '?')})"
+    return inert(where)[:300]  # a file's own words, printed
 
 
 @dataclass
@@ -171,9 +181,13 @@ def load(folder: Path) -> list[tuple[int, int, dict[str, Any], list[dict[str, An
     if not found:
         raise FileNotFoundError(f"no history snapshot in {folder}")
     try:
-        marks = json.loads((folder / "marks.json").read_text())
-    except (OSError, ValueError, RecursionError) as exc:
+        marks = read_json(folder / "marks.json", MAX_MARKS_BYTES, "marks.json")
+    except OSError as exc:
         raise HistoryError(f"marks.json is unreadable ({type(exc).__name__})") from None
+    except ValueError as exc:
+        raise HistoryError(str(exc)) from None
+    if isinstance(marks, list) and len(marks) > MAX_MARKS:
+        raise HistoryError(f"marks.json lists {len(marks):,} marks; at most {MAX_MARKS:,} read")
     if not isinstance(marks, list) or not all(
         isinstance(m, dict)
         and isinstance(m.get("step"), int)
@@ -200,6 +214,16 @@ def step_sites(
     those of memory it allocated that is still live at the end of the next step."""
     traces = snap.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
+    if len(trace) > MAX_ENTRIES:
+        raise HistoryError(f"its trace holds {len(trace):,} events; at most {MAX_ENTRIES:,} read")
+    sites: dict[int, str] = {}  # a stack shared by many entries (pickle's memo) is walked once
+
+    def site(frames: Any) -> str:
+        key = id(frames)
+        if key not in sites:
+            sites[key] = site_of(frames)
+        return sites[key]
+
     if marks:  # what an earlier recording left in PyTorch's trace is not these steps'
         start = min(m["wall_us"] for m in marks)
         trace = [e for e in trace if int(e.get("time_us", 0)) >= start]
@@ -236,7 +260,7 @@ def step_sites(
         action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
         if action == "alloc":
             step, phase = where(t)
-            live[addr] = (size, site_of(e.get("frames")), step, t)
+            live[addr] = (size, site(e.get("frames")), step, t)
             total += size
             if step in out and total > out[step].peak_bytes:
                 out[step].peak_bytes, out[step].peak_phase, peak_t[step] = total, phase, t
@@ -252,7 +276,7 @@ def step_sites(
         t = int(e.get("time_us", 0))
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
-            live2[addr] = (int(e.get("size", 0)), site_of(e.get("frames")))
+            live2[addr] = (int(e.get("size", 0)), site(e.get("frames")))
         elif action == "free_completed":
             live2.pop(addr, None)
         while k < len(want) and t >= want[k][0]:

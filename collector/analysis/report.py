@@ -90,11 +90,12 @@ def shown_rows(recs: list[StepRecord], all_steps: bool = False) -> list[int | No
 
 def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     recs = stream.records
     seq = stream.steps_repeat
     title = f"GPU {stream.gpu} {stream.gpu_uuid}{stream.label(several)} — memory per step (GiB)"
-    table = Table(title=title, title_justify="center")
+    table = Table(title=Text(title), title_justify="center")  # data, not markup
     for col in ("#", *COLUMNS) if seq else COLUMNS:
         table.add_column(col, justify="right")
     rows = shown_rows(recs, all_steps)
@@ -106,7 +107,7 @@ def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
             left = nxt - prev - 1
             table.add_row(*(["⋯"] * (len(COLUMNS) + seq - 1)), f"{left} steps")
             continue
-        table.add_row(*_row(recs[i], seq, several))
+        table.add_row(*map(Text, _row(recs[i], seq, several)))  # a gap of "[/x]" is text
     if several:
         table.caption = (
             "This GPU is shared by several ranks: NVML figures are the whole device's, so "
@@ -328,7 +329,7 @@ def _fleet(run: Run, console: Any) -> None:
     for row in shown:
         st = row.stream
         state = "LOST" if row.lost else ("IMBALANCED" if (st.gpu, st.pid) in odd_ranks else "")
-        table.add_row(
+        cells = [
             str(st.gpu),
             *([str(st.rank)] if ranks else []),
             row.node,
@@ -338,7 +339,8 @@ def _fleet(run: Run, console: Any) -> None:
             str(row.top.step) if row.top else "—",
             _c(row.alloc, "—"),
             state,
-        )
+        ]
+        table.add_row(*map(Text, cells))
     if len(shown) < len(rows):
         table.add_row(*(["⋯"] * (len(cols) - 1)), f"{len(rows) - len(shown)} more")
     console.print(table)

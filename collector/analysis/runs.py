@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from collector.model.errors import InputError
 from collector.model.records import SamplerInfo
 from collector.model.step import MAX_BYTES, StepRecord
+from collector.model.untrusted import inert
 
 if TYPE_CHECKING:  # the store (pyarrow) is imported when a run directory is read
     from collector.store import RunStore
@@ -88,12 +90,35 @@ def check_meta(meta: Any, source: str) -> dict[str, Any]:
     for k in ("banner", "status", "run_id", "error"):
         if meta.get(k) is not None and not isinstance(meta[k], str):
             raise InputError(f"{source}: {k} must be a string")
+        if meta.get(k):
+            meta[k] = inert(meta[k])  # printed: no terminal escapes
     for k in ("health", "problems"):
         if meta.get(k) is not None and not (
             isinstance(meta[k], list) and all(isinstance(x, dict | str) for x in meta[k])
         ):
             raise InputError(f"{source}: {k} must be a list")
+    meta["problems"] = [inert(x) if isinstance(x, str) else x for x in meta.get("problems") or []]
+    meta["health"] = [_health(h) for h in meta.get("health") or []]
     return meta
+
+
+_HEALTH_NUMBERS = ("rate_hz", "mean_rate_hz", "missed_deadlines", "sampler_niceness",
+                   "samples_total")  # fmt: skip
+
+
+def _health(h: Any) -> Any:
+    """A sampler's final health as the report reads it: a figure that is not a finite number
+    is left out (the report says what it does not know), strings made inert."""
+    if not isinstance(h, dict):
+        return inert(h) if isinstance(h, str) else h
+    out = {}
+    for k, v in h.items():
+        if k in _HEALTH_NUMBERS and not (
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        ):
+            continue
+        out[k] = inert(v) if isinstance(v, str) else v
+    return out
 
 
 def number_records(records: list[StepRecord]) -> list[StepRecord]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from collector.model.untrusted import inert
+
 __all__ = [
     "ERROR_PREFIX",
     "INT64_MAX",
@@ -126,7 +128,7 @@ class StepEvent:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (events arrive from other processes
         and from files anyone can edit): every number must fit an int64 column, names are
-        bounded, values are finite."""
+        bounded, values are finite. The names are made inert (no control characters)."""
         if self.kind not in STEP_EVENT_KINDS:
             raise ValueError(f"step event kind {self.kind!r} is not one of {STEP_EVENT_KINDS}")
         if not whole(self.step):
@@ -147,6 +149,7 @@ class StepEvent:
             raise ValueError(f"step event gpu_uuid {self.gpu_uuid!r} is empty or too long")
         if not isinstance(self.phase, str) or len(self.phase) > MAX_NAME_CHARS:
             raise ValueError(f"step event phase must be a string of at most {MAX_NAME_CHARS}")
+        self.phase, self.gpu_uuid = inert(self.phase), inert(self.gpu_uuid)  # printed later
         for name in ("torch", "ledger"):
             values = getattr(self, name)
             if not isinstance(values, dict) or len(values) > MAX_VALUES:
@@ -292,9 +295,9 @@ class SamplerInfo:
                 continue
             if f.name == "processes":
                 if isinstance(v, dict):
-                    kept[f.name] = {str(k): str(x) for k, x in v.items()}
+                    kept[f.name] = {inert(str(k)): inert(str(x)) for k, x in v.items()}
             elif isinstance(v, _FIELD_TYPES.get(f.name, str)) and not isinstance(v, bool):
-                kept[f.name] = v
+                kept[f.name] = inert(v) if isinstance(v, str) else v
         return cls(**kept)
 
 

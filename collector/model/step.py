@@ -14,6 +14,7 @@ from typing import Any
 
 from collector.model.kinds import Gap, MemoryKind
 from collector.model.records import ProcessMemory, Stat, take_legacy_estimate, whole
+from collector.model.untrusted import inert
 
 __all__ = ["MAX_BYTES", "PhaseReading", "ProcessesReading", "StepRecord"]
 
@@ -62,7 +63,7 @@ class PhaseReading:
         for f in fields(cls):
             v = d.get(f.name)
             if f.name == "phase":
-                kept["phase"] = v or ""
+                kept["phase"] = inert(v or "")
             elif v is None:
                 if f.name in ("begin_ns", "end_ns"):
                     raise ValueError(f"a phase lacks {f.name}")
@@ -120,7 +121,7 @@ class ProcessesReading:
                 and (len(p) < 3 or isinstance(p[2], str))
             ):
                 raise ValueError("a process is not [pid, bytes, name]")
-            out.append(ProcessMemory(p[0], p[1], p[2] if len(p) > 2 else ""))
+            out.append(ProcessMemory(p[0], p[1], inert(p[2]) if len(p) > 2 else ""))
         kept = {}
         for k in ("t_ns", "device_used", "baseline"):
             x = v.get(k)
@@ -363,6 +364,9 @@ class StepRecord:
                 f"{where}: processes must be {{t_ns, device_used, procs: [[pid, "
                 "bytes, name], ...]}}"
             ) from None
+        for k in ("gap", "error", "gpu_uuid"):  # printed: no terminal escapes
+            if k in kept:
+                kept[k] = inert(kept[k])
         kept["ledger"], kept["estimate_peak_bytes"] = take_legacy_estimate(
             dict(r.get("ledger") or {}), r.get("estimate_peak_bytes")
         )
