@@ -270,3 +270,17 @@ def test_a_bug_in_the_probe_never_reaches_the_training_loop(monkeypatch, caplog)
             pass
     assert probe.errors["internal:ValueError"] == 4  # two begins, two ends
     assert caplog.text.count("the probe's begin failed") == 1
+
+
+def test_two_probes_in_one_process_never_number_a_step_twice():
+    """Train then evaluate, a notebook cell run again: the second probe's steps go on from the
+    first's sequence numbers (a step's key is (GPU, pid, seq))."""
+    seqs = []
+    for _ in range(2):
+        probe = StepProbe(outbox=Outbox(None))
+        for i in range(1, 4):
+            with probe.step(i):
+                pass
+        seqs += [e["seq"] for e in probe.outbox.events if e["kind"] == "end"]
+        probe.close()
+    assert len(seqs) == 6 and len(set(seqs)) == 6, seqs

@@ -69,7 +69,6 @@ def _set(i, **kw):
 @pytest.mark.parametrize(
     ("case", "mutate", "needle"),
     [
-        ("a step given twice", lambda d: d["records"].append(dict(d["records"][1])), "given twice"),
         ("a negative peak", _set(1, nvml_peak_bytes=-1), "non-negative number of bytes"),
         ("a peak of 10^30 bytes", _set(1, nvml_peak_bytes=10**30), "non-negative number of bytes"),
         ("a peak above the card", _set(1, nvml_peak_bytes=200 * GIB), "more than the card's"),
@@ -155,3 +154,22 @@ def test_a_real_memory_snapshot_still_reads(tmp_path):
 
     doc = history.summary(ROOT / "benchmarks/results/h200-accounting/history/paged_nowatch")
     assert doc["trace_entries"] > 1000 and doc["steps"]
+
+
+def test_a_process_that_numbered_its_steps_twice_keeps_every_step(tmp_path):
+    """Records written by two probes of one process before seq was per process (or a capture
+    that repeats seq): every step is read, numbered again in time order, and the report says
+    so instead of refusing the run."""
+    doc = json.loads(RECORDS.read_text())
+    for i, r in enumerate(doc["records"]):
+        r["seq"], r["pid"] = 1 + i % 2, 4242  # 1, 2, 1, 2, 1
+    doc["records"].append(dict(doc["records"][1]))  # and one stored twice over
+    f = tmp_path / "twice.json"
+    f.write_text(json.dumps(doc))
+    r = stepmem("report", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "numbered its steps twice over" in r.stdout and "stored twice" in r.stdout
+    from collector.analysis.runs import load_run
+
+    run = load_run(f)
+    assert [x.seq for s in run.streams for x in s.records] == [1, 2, 3, 4, 5]

@@ -472,6 +472,7 @@ def status_lines(meta: dict[str, Any]) -> list[str]:
     if problems and status != "incomplete":
         out.append("Not everything this run measured was kept:")
     out += [f"  - {p}" for p in problems]
+    out += [f"{n}." for n in meta.get("read_notes") or [] if isinstance(n, str)]
     return out
 
 

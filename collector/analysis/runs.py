@@ -42,10 +42,11 @@ __all__ = [
 STATUSES = ("running", "complete", "failed", "interrupted", "incomplete")
 
 
-def check_records(records: Any, source: str) -> list[StepRecord]:
+def check_records(records: Any, source: str, notes: list[str] | None = None) -> list[StepRecord]:
     """``records`` (a records file's list, or typed records) as typed :class:`StepRecord`
-    objects, each checked as untrusted data (:meth:`StepRecord.from_untrusted`), with no step
-    given twice; otherwise :class:`InputError` naming the first bad record and field."""
+    objects, each checked as untrusted data (:meth:`StepRecord.from_untrusted`); otherwise
+    :class:`InputError` naming the first bad record and field. A process's steps whose sequence
+    numbers repeat are all kept, numbered again, and ``notes`` gets a sentence saying so."""
     if not isinstance(records, list):
         raise InputError(f"{source}: 'records' must be a list, got {type(records).__name__}")
     out = []
@@ -58,20 +59,48 @@ def check_records(records: Any, source: str) -> list[StepRecord]:
             )
         except (TypeError, ValueError) as exc:
             raise InputError(str(exc)) from None
-    _no_step_twice(out, source)
+    note = _no_step_twice(out, source)
+    if note and notes is not None:
+        notes.append(note)
     return out
 
 
-def _no_step_twice(records: list[StepRecord], source: str) -> None:
+def _no_step_twice(records: list[StepRecord], source: str) -> str:
+    """Records of one process that share a sequence number (two probes in one process — train
+    then evaluate, a notebook cell run again — before each process numbered its steps once)
+    are all kept: that process's steps are numbered again in time order; a record stored twice
+    (the same step, the same times) is read once. Returns the sentence saying so ("" when
+    nothing repeats); ``records`` is changed in place."""
+    once: dict[tuple[Any, ...], StepRecord] = {}
+    for r in records:  # the very same step stored twice (same process, same times): one
+        once.setdefault((r.gpu_uuid, r.pid, r.begin_ns, r.end_ns, r.step), r)
+    copies = len(records) - len(once)
+    records[:] = list(once.values())
     seen: set[tuple[Any, ...]] = set()
-    for i, r in enumerate(records):
+    again: set[tuple[str, int]] = set()
+    for r in records:
         key = (r.gpu_uuid, r.pid, r.seq or ("step", r.step, r.begin_ns))
         if key in seen:
-            raise InputError(
-                f"{source}: record {i}: step {r.step} of GPU {r.gpu_uuid} is given twice (same "
-                "process, same sequence number)"
-            )
+            again.add((r.gpu_uuid, r.pid))
         seen.add(key)
+    said = f"{source}: {copies} step record(s) stored twice were read once" if copies else ""
+    if not again:
+        return said
+    for gpu, pid in again:
+        mine = sorted((r for r in records if (r.gpu_uuid, r.pid) == (gpu, pid)),
+                      key=lambda r: r.begin_ns)  # fmt: skip
+        for n, r in enumerate(mine, 1):
+            r.seq = n
+    pids = ", ".join(str(pid) for _, pid in sorted(again))
+    return "; ".join(
+        x
+        for x in (
+            said,
+            f"{source}: process {pids} numbered its steps twice over (two probes in one "
+            "process?): every step is kept, numbered again in time order",
+        )
+        if x
+    )
 
 
 def check_meta(meta: Any, source: str) -> dict[str, Any]:
@@ -259,7 +288,9 @@ def load_run(path: str | Path) -> Run:
         store = RunStore(path)
         check_meta(store.meta, str(path / "meta.json"))
         records = store.records()  # each checked as it is read
-        _no_step_twice(records, str(path))
+        note = _no_step_twice(records, str(path))
+        if note:
+            store.meta.setdefault("read_notes", []).append(note)
         meta = dict(store.meta)
         torn = store.unreadable_parts("events")
         if torn:  # the steps are whole: report them, and say what cannot be read
@@ -286,7 +317,9 @@ def load_run(path: str | Path) -> Run:
         return run
     doc = _records_file(path)
     check_meta(doc, str(path))
-    run = Run(path.stem, doc, check_records(doc["records"], str(path)))
+    notes: list[str] = []
+    run = Run(path.stem, doc, check_records(doc["records"], str(path), notes))
+    doc.setdefault("read_notes", []).extend(notes)
     run.source = str(path)
     return run
 

@@ -27,6 +27,7 @@ result ignored.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -72,6 +73,10 @@ CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ran
 ESTIMATE_ENV = "STEPMEM_ESTIMATE"  # an estimate (JSON) whose predicted peak each end event carries
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 _LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
+# The step's sequence number, one series per process: two probes in one process (train then
+# evaluate, a notebook cell run again) never give two steps the same key. next() on a count is
+# atomic under the GIL.
+_SEQ = itertools.count(1)
 
 
 def allocator_mode() -> dict[str, int]:
@@ -418,7 +423,7 @@ class StepProbe:
         if self.step_index is not None:
             self.errors["begin_without_end"] += 1
         self.step_index = step
-        self.seq += 1
+        self.seq = next(_SEQ)  # per process, whichever probe: a step's key is (GPU, pid, seq)
         self._identify()
         self._step_cost = 0
         self._begin_t = self._clock()
