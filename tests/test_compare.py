@@ -149,3 +149,40 @@ def test_compare_pointer_is_a_command_that_runs(tmp_path):
     line = next(ln for ln in res.stdout.splitlines() if "stepmem report" in ln)
     cmd = line.split("`stepmem report ", 1)[1].split("`", 1)[0]
     assert stepmem("report", cmd).returncode == 0
+
+
+def test_a_gate_that_judged_nothing_fails_and_says_why(tmp_path, record_fault):
+    """W5: no records at all, or steps without any NVML or torch figure, in both runs: the
+    gate cannot pass, it says there was nothing to judge."""
+    empty = seed_doc()
+    empty["records"], empty["samplers"] = [], []
+    blind = seed_doc()
+    for r in blind["records"]:
+        for k in list(r):
+            if k.startswith(("nvml_", "torch_")):
+                r[k] = None if not k.startswith("torch_begin") and k != "torch_end" else {}
+        r["phases"] = []
+    for name, doc, says in (
+        ("empty", empty, "recorded no step"),
+        ("blind", blind, "nothing could be judged"),
+    ):
+        f = _write(tmp_path, name, doc)
+        r = stepmem("compare", str(f), str(f))
+        assert r.returncode == 1, (name, r.stdout, r.stderr)
+        assert "Cannot compare" in r.stdout and says in r.stdout, r.stdout
+        record_fault(f"compare of two runs that measured nothing ({name})", "exit 1: " + says)
+
+
+def test_compare_says_when_the_cards_differ(tmp_path):
+    base = seed_doc()
+    new = copy.deepcopy(base)
+    new["samplers"][0]["name"] = "NVIDIA H100 80GB HBM3"
+    new["samplers"][0]["total_bytes"] = 150754820096 + (1 << 30)
+    r = stepmem("compare", str(_write(tmp_path, "b", base)), str(_write(tmp_path, "n", new)))
+    assert "Different GPUs" in r.stdout and "H100" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_run_name_cannot_break_out_of_the_markdown_code_span(tmp_path):
+    f = _write(tmp_path, "x`](http:evil) **PASS**", seed_doc())
+    r = stepmem("compare", str(f), str(f))
+    assert "`x'](http:evil) **PASS**`" in r.stdout, r.stdout

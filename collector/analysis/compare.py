@@ -157,12 +157,14 @@ def _gated(
     lines: list[str] = []
     problems: list[str] = []
     regressions: list[str] = []
+    judged = 0
     for key in GATED:
         bv, btop = _largest(bs.records, key)
         nv, ntop = _largest(ns.records, key)
         label = METRICS[key]
         if bv is None and nv is None:
             continue
+        judged += 1
         if bv is None or nv is None:
             which, run = ("BASE", base) if bv is None else ("NEW", new)
             problems.append(
@@ -181,6 +183,11 @@ def _gated(
             regressions.append(
                 f"{name}: the largest {label} grew from {gib(bv)} to {gib(nv)} ({_pct(bv, nv)})"
             )
+    if not judged:  # a gate that judged nothing must not pass
+        problems.append(
+            f"{name}: neither run measured any peak (no NVML sample and no torch figure in any "
+            f"step), so nothing could be judged (see {_report_cmd(new)})"
+        )
     return lines, problems, regressions
 
 
@@ -216,12 +223,55 @@ def _judge(
     return lines, problems, regressions
 
 
+def _code(name: str) -> str:
+    """A run's name inside a Markdown code span: no backtick can close it."""
+    return name.replace("`", "'")
+
+
+def _card(run: Run) -> list[tuple[str, int]]:
+    return [(s.name, s.total_bytes) for s in run.samplers]
+
+
+def _differences(base: Run, new: Run) -> list[str]:
+    """What differs between the runs beyond their figures: the GPUs, the workload. Said, not
+    failed: a run on another card or of another workload is the user's to judge."""
+    out = []
+    if base.samplers and new.samplers and _card(base) != _card(new):
+
+        def cards(run: Run) -> str:
+            return ", ".join(f"{n or '?'} ({gib(t)} GiB)" for n, t in dict.fromkeys(_card(run)))
+
+        out.append(
+            f"**Different GPUs**: BASE ran on {cards(base)}, NEW on {cards(new)}: the peaks "
+            "compare as bytes, the headroom does not."
+        )
+    bw, nw = (r.meta.get("workload_summary") or {} for r in (base, new))
+    if isinstance(bw, dict) and isinstance(nw, dict) and bw and nw:
+        differ = sorted(
+            k for k in set(bw) | set(nw) if k in _WORKLOAD_KEYS and bw.get(k) != nw.get(k)
+        )
+        if differ:
+            out.append(
+                "**Different workloads**: "
+                + ", ".join(f"{k} {bw.get(k)!s:.40} → {nw.get(k)!s:.40}" for k in differ)
+                + "."
+            )
+    return [*out, ""] if out else []
+
+
+_WORKLOAD_KEYS = ("workload", "size", "optim", "seq_len", "batch", "grad_accum", "parameters")
+
+
 def compare(base: Run, new: Run, tolerance: float, max_unsampled: float = 0.05) -> tuple[str, bool]:
     """Markdown comparing NEW with BASE stream by stream (GPU, rank), and whether NEW fails
     the gate (see the module docstring)."""
-    lines = [f"## stepmem compare: `{new.name}` against `{base.name}`", ""]
+    lines = [f"## stepmem compare: `{_code(new.name)}` against `{_code(base.name)}`", ""]
     problems = [p for p in (_finished("BASE", base), _finished("NEW", new)) if p]
     regressions: list[str] = []
+    for which, run in (("BASE", base), ("NEW", new)):
+        if not run.streams:
+            problems.append(f"{which} recorded no step, so there is nothing to judge")
+    lines += _differences(base, new)
     if len(base.gpus) != len(new.gpus):
         problems.append(
             f"GPU counts differ: BASE has {len(base.gpus)}, NEW has {len(new.gpus)}; only runs "
