@@ -354,6 +354,62 @@ def test_remote_write_never_follows_a_redirect_with_the_token(monkeypatch, recor
     )
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [b"GARBAGE\r\n\r\n", b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 200 + b"\r\n"],
+    ids=["not-http", "200-headers"],
+)
+def test_a_receiver_that_does_not_speak_http_never_ends_the_writer(answer, record_fault):
+    """C4, W6: a URL pointing at the wrong port (an SSH or Redis server): every POST fails,
+    counted and retried; the writer thread lives on, and what was never sent is counted once."""
+    import socket
+
+    from collector.export.remote_write import RemoteWriteConfig, RemoteWriter
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.5)
+    served = threading.Event()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            with c:
+                c.settimeout(1.0)
+                try:
+                    c.recv(65536)
+                    c.sendall(answer)
+                except OSError:
+                    pass
+            served.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/api/v1/write"
+    w = RemoteWriter(RemoteWriteConfig(url=url, flush_interval_s=0.02, backoff_min_s=0.02))
+    for i in range(10):
+        w.push("stepmem_x", {"gpu": "0"}, 1_700_000_000_000 + i, 1.0)
+    w._wake.set()
+    assert served.wait(30)
+    alive = w._thread.is_alive()
+    w.close(timeout=2)
+    stop.set()
+    srv.close()
+    st = w.stats()
+    assert alive and st["sent"] == 0 and st["errors"].get("not_http", 0) >= 1, st
+    assert st["pending"] == 0 and st["dropped"] == {"gave_up": 10}, st  # once, not twice
+    record_fault(
+        f"remote-write receiver that is not HTTP ({answer[:12]!r}…)",
+        "each POST counted as failed and retried; the writer thread lives; 10 unsent samples "
+        "counted once as given up",
+        not_http=st["errors"]["not_http"],
+    )
+
+
 def test_a_run_says_what_remote_write_could_not_deliver_and_stores_no_secret(
     tmp_path, record_fault
 ):

@@ -247,6 +247,7 @@ class RemoteWriter:
         self.sent = 0
         self.requests = 0
         self.dropped: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()  # requests that failed in an unexpected way
         self.shifted = 0
         self.throttled = 0  # 429 answers
         self.last_error = ""
@@ -337,6 +338,7 @@ class RemoteWriter:
             "shifted": self.shifted,
             "throttled": self.throttled,
             "last_error": self.last_error,
+            "errors": dict(self.errors),
         }
 
     def mark_stale(self, t_ms: int | None = None) -> int:
@@ -398,6 +400,11 @@ class RemoteWriter:
             self.last_error = f"connection: {getattr(exc, 'reason', exc)}"
             self._put_back(batch)
             return False
+        except Exception as exc:  # not HTTP at the other end (BadStatusLine, LineTooLong, …)
+            self.last_error = f"not an HTTP answer: {type(exc).__name__}: {str(exc)[:120]}"
+            self.errors["not_http"] += 1
+            self._put_back(batch)
+            return False
         self.requests += 1
         if 200 <= status < 300:
             self.sent += len(batch)
@@ -433,8 +440,13 @@ class RemoteWriter:
             self._wake.wait(backoff or self.config.flush_interval_s)
             self._wake.clear()
             ok = True
-            while ok and self._buf:
-                ok = self.send_once()
+            try:
+                while ok and self._buf:
+                    ok = self.send_once()
+            except Exception as exc:  # never ends the writer: counted, retried after a backoff
+                self.errors[type(exc).__name__] += 1
+                self.last_error = f"{type(exc).__name__}: {str(exc)[:120]}"
+                ok = False
             self._retrying = not ok
             if ok:
                 backoff = 0.0
@@ -454,8 +466,13 @@ class RemoteWriter:
         self._closed = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        while self._buf and time.monotonic() < deadline:
-            if not self.send_once():
-                break
-        if self._buf:
-            self.dropped["gave_up"] += len(self._buf)
+        try:
+            while self._buf and time.monotonic() < deadline:
+                if not self.send_once():
+                    break
+        except Exception as exc:
+            self.errors[type(exc).__name__] += 1
+        with self._lock:  # what was not sent is counted once, as given up, and let go
+            if self._buf:
+                self.dropped["gave_up"] += len(self._buf)
+                self._buf.clear()
