@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from collector.model.errors import InputError, StepmemError
 from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
+from collector.model.step import MAX_BYTES
 from collector.nvml import (
     NvmlGpuLost,
     NvmlNotFound,
@@ -264,8 +265,10 @@ def _check_meta(meta: Any, path: Path) -> None:
         raise CaptureError(f"{bad} 'device' must be an object, got {type(dev).__name__}")
     if not isinstance(dev.get("uuid"), str) or not dev["uuid"]:
         raise CaptureError(f"{bad} device.uuid must be a non-empty string")
-    if not _is_int(dev.get("total_bytes")) or dev["total_bytes"] <= 0:
-        raise CaptureError(f"{bad} device.total_bytes must be a positive integer")
+    if not _is_int(dev.get("total_bytes")) or not 0 < dev["total_bytes"] <= MAX_BYTES:
+        raise CaptureError(
+            f"{bad} device.total_bytes must be a positive integer of at most 2^53 (8 PiB)"
+        )
     if dev.get("memory_info_version", 2) not in (1, 2):
         raise CaptureError(f"{bad} device.memory_info_version must be 1 or 2")
     rate = meta.get("rate_hz", 0)

@@ -88,6 +88,8 @@ def hostile(path: Path, case: str) -> Path:
         cols["t_ns"] = [x - 1_000_000_000 for x in t]
     elif case == "total of 1 byte":
         meta["device"]["total_bytes"] = 1
+    elif case == "total of 2^62 bytes":
+        meta["device"]["total_bytes"] = 1 << 62
     elif case == "event at 10^18 ns":
         meta["events"][-1]["t_ns"] = 10**18
     elif case == "event at 2^70 ns":
@@ -119,6 +121,7 @@ CASES = {  # case: what the one line names
     "used as text": "not integers",
     "time not from 0": "start at 0",
     "total of 1 byte": "outside 0..1 bytes",
+    "total of 2^62 bytes": "at most 2^53",
     "event at 10^18 ns": "far past the samples' end",
     "event at 2^70 ns": "t_ns",
     "step 2^70": "step",

@@ -579,3 +579,28 @@ def test_metrics_keeps_its_threads_bounded_under_idle_connections(record_fault):
         "counted; scraping works again as soon as they go",
         threads_added=grown,
     )
+
+
+def test_an_idle_connection_that_times_out_is_counted_not_printed(monkeypatch, capfd):
+    """L4: socketserver printed a traceback for every client that went idle past the timeout;
+    anyone who reaches the port could fill the job's log. Now each is counted."""
+    import socket
+
+    from collector.export import prometheus
+    from collector.export.prometheus import SamplerCollector, serve
+
+    monkeypatch.setattr(prometheus._QuietHandler, "timeout", 0.2)
+    server, port = serve(SamplerCollector(lambda: []), "127.0.0.1", 0)
+    try:
+        socks = []
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finished
+            socks.append(s)
+        wait_for(lambda: sum(server.failed.values()) >= 3, timeout=60)
+    finally:
+        for s in socks:
+            s.close()
+        server.shutdown()
+    assert set(server.failed) <= {"TimeoutError", "timeout"}, server.failed
+    assert "Traceback" not in capfd.readouterr().err

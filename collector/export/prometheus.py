@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
@@ -172,6 +173,7 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
     def server_activate(self) -> None:
         super().server_activate()
         self.refused = 0
+        self.failed: Counter[str] = Counter()  # connections that ended in an error, by kind
         self._slots = threading.BoundedSemaphore(self.max_connections)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -184,6 +186,15 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (an idle client timed out, a reset): counted, not printed
+        (socketserver prints a traceback per connection: anyone who reaches the port could
+        fill the job's log)."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        self.failed[type(exc).__name__ if exc else "unknown"] += 1
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
