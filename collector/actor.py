@@ -350,6 +350,7 @@ class SamplerActor:
             "steps_pending": self.joiner.pending,
             "steps_open": self.joiner.open_steps,
             "spool_malformed": self.spool.malformed if self.spool is not None else 0,
+            "spool_failed_writers": self.spool.failed_writers if self.spool is not None else 0,
             "steps_joined": self.joiner.joined,
             "remote_write": self.writer.stats() if self.writer is not None else None,
             # NVML per-process readings (the accounting's split): taken, and failed by error

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import shlex
 import tempfile
 from collections import Counter
@@ -230,8 +231,10 @@ def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> Sample
 
 def spool_dir(run_id: str) -> Path:
     """Where this run's processes without Ray leave their step events on each node (private to
-    the user; the run's samplers there read it)."""
-    return Path(tempfile.gettempdir()) / f"stepmem-{os.getuid()}" / "spool" / run_id
+    the user; the run's samplers there read it): a folder of this run instance alone — two runs
+    given one run id (in two stores, or one after another killed) never share one."""
+    instance = f"{run_id}-{secrets.token_hex(6)}"
+    return Path(tempfile.gettempdir()) / f"stepmem-{os.getuid()}" / "spool" / instance
 
 
 def remote_write_line(health: list[dict[str, Any]]) -> str:

@@ -113,6 +113,12 @@ class RunSession:
                 [p.handle.replay_from.remote(self._stand_in_origin) for p in placed], timeout=60
             )
         _private_dir(Path(self.options.spool))
+        free = _free_bytes(self.options.spool)
+        if free is not None and free < SPOOL_ROOM:
+            self.echo(
+                f"stepmem: the spool folder {self.options.spool} has {free >> 20} MiB free: "
+                "processes without Ray leave their step events there (set TMPDIR elsewhere)"
+            )
         os.environ[SPOOL_ENV] = self.options.spool  # this run's processes without Ray
         if opts.store is not None:
             meta = _meta(opts, self.options, self.banner, placed)
@@ -180,6 +186,7 @@ class RunSession:
                 self.drainer.lost(name)
             self.drainer.drain(flush_steps=True)
             self.problems = problems(self.drainer, self.writer, len(self.placed))
+            self.problems += spool_problems(self.health, self.options.spool)
             if self.problems and status == "complete":
                 status = "incomplete"
             self.writer.close(
@@ -220,6 +227,30 @@ class RunSession:
             os.environ.pop(HISTORY_ENV, None)
         os.environ.pop(SPOOL_ENV, None)
         shutil.rmtree(self.options.spool, ignore_errors=True)
+
+
+SPOOL_ROOM = 64 << 20  # a run's spool holds its events: a few hundred bytes a step a process
+
+
+def _free_bytes(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def spool_problems(health: list[dict[str, Any]], spool: str) -> list[str]:
+    """Processes that could not write their step events to the spool folder (a full disk):
+    their steps are missing from the record, and the run says so."""
+    # every sampler of a node reads that node's folder: the most any of them saw
+    n = max((int(h.get("spool_failed_writers") or 0) for h in health if isinstance(h, dict)),
+            default=0)  # fmt: skip
+    if not n:
+        return []
+    return [
+        f"{n} process(es) could not write their step events to the spool folder {spool} (a "
+        "full disk?): their steps after that are missing"
+    ]
 
 
 def _stop_samplers(placed: list[PlacedSampler], echo) -> tuple[list[dict[str, Any]], set[str]]:

@@ -284,3 +284,35 @@ def test_two_probes_in_one_process_never_number_a_step_twice():
         seqs += [e["seq"] for e in probe.outbox.events if e["kind"] == "end"]
         probe.close()
     assert len(seqs) == 6 and len(set(seqs)) == 6, seqs
+
+
+def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, caplog):
+    """D10: a spool write that fails (a full disk; here the file's name is taken by a folder)
+    is counted as spool_failed, said once, and marked in the folder, so the run's sampler
+    sees the writer that failed and the run says its record is incomplete."""
+    import os
+
+    from collector.model.records import StepEvent
+    from collector.probe.outbox import SpoolReader
+    from collector.runsession import spool_problems
+
+    (tmp_path / f"events-{os.getpid()}.jsonl").mkdir()
+    out = Outbox(None, spool=tmp_path, flush_interval_s=0.01)
+    for i in range(5):
+        out.put(StepEvent("begin", i, 1 + i, "GPU-x"))
+    out.close()
+    assert out.dropped["spool_failed"] == 5 and out.dropped["no_sampler"] == 0
+    assert sum("cannot write step events" in r.message for r in caplog.records) == 1
+    reader = SpoolReader(tmp_path, "GPU-x")
+    reader.read()
+    assert reader.failed_writers == 1
+    (line,) = spool_problems([{"spool_failed_writers": 1}, {"spool_failed_writers": 1}], "S")
+    assert line.startswith("1 process(es) could not write their step events")
+
+
+def test_two_runs_with_one_run_id_never_share_a_spool_folder():
+    """D8, D11: the spool folder is the run instance's, not the run id's."""
+    from collector.run import spool_dir
+
+    a, b = spool_dir("nightly"), spool_dir("nightly")
+    assert a != b and a.parent == b.parent and a.name.startswith("nightly-")

@@ -11,6 +11,7 @@ the training process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ class Outbox:
             spool = os.environ.get(SPOOL_ENV) or None
         self._spool = Path(spool) if spool else None
         self._spool_file: Any = None
+        self._spool_broken = False
         self.dropped: Counter[str] = Counter()
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._unwritten: list[dict[str, Any]] = []
@@ -188,7 +190,9 @@ class Outbox:
             except Exception as exc:  # lookup trouble is the sampler's problem, not training's
                 log.debug("sampler lookup for %s failed: %s", uuid, exc)
         if handle is None:
-            if self._spool is not None and self._to_spool(batch):
+            if self._spool is not None:
+                if not self._to_spool(batch):
+                    self.dropped["spool_failed"] += len(batch)
                 return
             if not self.dropped["no_sampler"]:  # said once; every one is counted
                 log.warning(
@@ -222,10 +226,34 @@ class Outbox:
             self._spool_file.write("".join(json.dumps(d) + "\n" for d in batch))
             self._spool_file.flush()
         except OSError as exc:
-            log.debug("spool write failed: %s", exc)
+            self._spool_failed(exc)
             return False
         self.spooled += len(batch)
         return True
+
+    def _spool_failed(self, exc: OSError) -> None:
+        """Said once, marked once: a ``failed-<pid>`` file in the spool folder (an empty file
+        needs no room on a full disk) tells the run's sampler, and through it the run, that
+        this process's steps are missing; every lost event is counted."""
+        if self._spool_broken:
+            return
+        self._spool_broken = True
+        why = exc.strerror or type(exc).__name__
+        log.warning(
+            "stepmem: cannot write step events to the spool folder %s (%s): this process's "
+            "steps are counted as unsent and the run will say its record is incomplete; "
+            "training goes on",
+            self._spool,
+            why,
+        )
+        try:
+            assert self._spool is not None
+            fd = os.open(self._spool / f"failed-{os.getpid()}", os.O_WRONLY | os.O_CREAT, 0o600)
+            with contextlib.suppress(OSError):
+                os.write(fd, why.encode()[:200])
+            os.close(fd)
+        except OSError:
+            pass
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sender and send what is left (bounded by ``timeout`` for the thread)."""
@@ -289,6 +317,7 @@ class SpoolReader:
     def __init__(self, folder: str | Path, gpu_uuid: str) -> None:
         self.folder, self.gpu_uuid = Path(folder), gpu_uuid
         self.malformed = 0
+        self.failed_writers = 0  # processes that said they could not write here (failed-<pid>)
         self._offsets: dict[str, int] = {}
         self._tails: dict[str, bytes] = {}
 
@@ -296,6 +325,7 @@ class SpoolReader:
         out: list[dict[str, Any]] = []
         try:
             files = sorted(p for p in self.folder.glob("events-*.jsonl") if p.is_file())
+            self.failed_writers = sum(1 for _ in self.folder.glob("failed-*"))
         except OSError:
             return out
         for path in files:
