@@ -277,6 +277,11 @@ def _outside(est: Estimate, acc: Account, step: int) -> list[Row]:
     return rows
 
 
+def _what(spec: dict) -> str:
+    model = spec.get("size") or (spec.get("config") or {}).get("model_type") or "a config"
+    return f"{model}, {spec.get('optim')}, batch {spec.get('batch')} × {spec.get('seq_len')} tokens"
+
+
 def _mismatches(rows: list[Row]) -> list[str]:
     """The stored figures (parameters, state, kept gradients) that differ beyond
     :data:`OFF_SHARE`: a sign the run is not the model or optimizer estimated."""
@@ -301,9 +306,15 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
     first, steady = recs[0], (recs[1] if len(recs) > 1 else recs[0])
     rows = _stored(est, first, steady)
     named: list[str] = []
+    other = _mismatches(rows)
+    if other:  # another model or optimizer: say that first, and blame no kernel for it
+        named.append(
+            f"This estimate is of {_what(est.spec)}; the run's parameters or optimizer state do "
+            "not match it, so the differences below are between two different trainings"
+        )
     rest, off = _rest(est, steady)
     rows += [rest] if rest is not None else []
-    named += [off] if off else []
+    named += [off] if off and not other else []
     jump = _jump(est, first, steady)
     named += [jump] if jump else []
     rows += _cache(est, first, steady)
@@ -318,8 +329,8 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
     if steady.nvml_peak_bytes is not None:
         nvml, why = _nvml(est, steady, acc)
         rows.append(nvml)
-        named += [why] if why else []
-    return rows, named + _mismatches(rows)
+        named += [why] if why and not other else []
+    return rows, named + other
 
 
 def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> str:
@@ -332,7 +343,8 @@ def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> s
         p = "—" if r.predicted is None else gib_figure(r.predicted)
         m = "—" if r.measured is None else gib_figure(r.measured)
         d = r.difference
-        pct = f"{d / r.predicted:+.1%}" if d is not None and r.predicted else ""
+        share = d / r.predicted if d is not None and r.predicted else None
+        pct = "" if share is None else f"{share:+.1%}" if abs(share) < 10 else f"{share:+.0e}x"
         lines.append(
             f"  {r.component:<58}{p:>10}{m:>10}{'' if d is None else f'{d / GIB:+.2f}':>9}{pct:>9}"
         )
