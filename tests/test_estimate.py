@@ -503,7 +503,10 @@ def test_like_takes_a_stored_runs_model_optimizer_and_batch(tmp_path):
     }
     run.write_text(json.dumps({"records": [], "workload_summary": {"workload": "spiky"}}))
     r = _cli("estimate", "--like", str(run))
-    assert r.returncode == 2 and "not a finetune run" in r.stderr, r.stderr
+    assert (
+        r.returncode == 2
+        and "--like takes the model, optimizer and batch of a finetune run" in r.stderr
+    ), r.stderr
 
 
 @pytest.mark.parametrize("world", [2, 4])

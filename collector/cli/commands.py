@@ -309,6 +309,11 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         if not quiet:
             print(f"… {m}", file=sys.stderr)
 
+    model = spec.size or (spec.config or {}).get("model_type", "a config")
+    say(
+        f"tracing {model} ({spec.optim}, batch {spec.batch} × {spec.seq_len}) for two steps on "
+        "fake tensors: seconds for a small model, under a minute for a 7B"
+    )
     if ns.max_batch or ns.max_seq_len:
         axis = "batch" if ns.max_batch else "seq_len"
         say(f"searching the largest {'micro-batch' if ns.max_batch else 'sequence length'}")

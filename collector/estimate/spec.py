@@ -118,7 +118,17 @@ class Spec:
         summary (data, checked field by field); :class:`EstimateError` naming ``source``
         otherwise."""
         if not isinstance(summary, dict) or summary.get("workload") != "finetune":
-            raise EstimateError(f"--like {source}: not a finetune run with a summary")
+            what = (
+                f"a run of the {str(summary.get('workload'))[:40]!r} workload"
+                if isinstance(summary, dict) and summary.get("workload")
+                else "a run without a workload summary (a replay of a capture, or a script)"
+            )
+            raise EstimateError(
+                f"--like {source}: {what}; --like takes the model, optimizer and batch of a "
+                "finetune run (stepmem run --workload finetune on a GPU, e.g. "
+                "benchmarks/results/h200-jobs/runs/h200-7b-adamw); otherwise name them "
+                "(--size/--config, --optim, --seq-len, --batch)"
+            )
         out: dict[str, Any] = {}
         for key, kind in (("size", str), ("optim", str), ("seq_len", int), ("batch", int)):
             v = summary.get(key)
