@@ -100,6 +100,13 @@ def _table(bs: Stream, ns: Stream, tolerance: float) -> list[str]:
             cells.append(f"{gib(bv)} → {gib(nv)} ({_pct(bv, nv)}){flag}")
         step = str(n.step) if n.step == b.step else f"{b.step} / {n.step}"
         lines.append(f"| {i + 1} | {step} | " + " | ".join(cells) + " |")
+    if any(" ⚠" in x for x in lines[2:]):
+        lines += [
+            "",
+            f"⚠ marks a step that grew more than {100 * tolerance:g} % against the same step of "
+            "BASE. The gate judges each run's largest peak over the run (below), not step by "
+            "step.",
+        ]
     return lines
 
 
