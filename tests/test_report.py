@@ -556,3 +556,15 @@ def test_a_history_pickle_of_shared_references_is_read_in_bounded_time(tmp_path)
     r = _report(d, timeout=600)  # hours before the bound; a guard, not a wait
     assert r.returncode == 0, r.stderr
     assert "Allocation sites" in r.stdout
+
+
+def test_a_run_without_any_nvml_sample_says_so_in_its_verdict():
+    """N13: every step unmeasured (a replay too fast to sample): the verdict opens with it."""
+    from collector.analysis.diagnosis import verdict
+
+    recs = json.loads(RECORDS.read_text())["records"]
+    for r in recs:
+        r.update(samples=0, gap="no_samples", nvml_peak_bytes=None, nvml_peak_t_ns=None,
+                 nvml_min_bytes=None, nvml_end_bytes=None, nvml_reserved_bytes=None)  # fmt: skip
+    lines = verdict(diagnose(typed(recs), 150754820096))
+    assert lines[0].startswith("No NVML sample in any step"), lines

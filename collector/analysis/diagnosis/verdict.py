@@ -27,6 +27,12 @@ def _ending(by_kind: dict[FindingKind, Finding]) -> list[str]:
         return [f"Step {f.numbers['step']} failed with {f.numbers['error']}."]
     if K.INTERRUPTED in by_kind:
         return [f"Stopped during step {by_kind[K.INTERRUPTED].numbers['step']}."]
+    u = by_kind.get(K.UNMEASURED)
+    if u is not None and u.numbers["steps"] == u.numbers["of"]:
+        return [
+            "No NVML sample in any step: every NVML figure is unknown (steps shorter than the "
+            "sampling period?)."
+        ]
     return []
 
 
