@@ -266,7 +266,7 @@ def _differences(base: Run, new: Run) -> list[str]:
     return [*out, ""] if out else []
 
 
-_WORKLOAD_KEYS = ("workload", "size", "optim", "seq_len", "batch", "grad_accum", "parameters")
+_WORKLOAD_KEYS = ("workload", "size", "config", "optim", "seq_len", "batch", "grad_accum")
 
 
 def compare(base: Run, new: Run, tolerance: float, max_unsampled: float = 0.05) -> tuple[str, bool]:

@@ -202,6 +202,20 @@ def load(folder: Path) -> list[tuple[int, int, dict[str, Any], list[dict[str, An
     return out
 
 
+def _memo_sites() -> Any:
+    """:func:`site_of`, once per stack: a stack shared by many entries (pickle's memo keeps one
+    list for all of them) is walked once."""
+    sites: dict[int, str] = {}
+
+    def site(frames: Any) -> str:
+        key = id(frames)
+        if key not in sites:
+            sites[key] = site_of(frames)
+        return sites[key]
+
+    return site
+
+
 def _top(items: dict[str, list[int]], n: int) -> list[Site]:
     rows = [Site(site, b, c) for site, (b, c) in items.items()]
     return sorted(rows, key=lambda s: -s.bytes)[:n]
@@ -216,14 +230,7 @@ def step_sites(
     trace = traces[device] if device < len(traces) else []
     if len(trace) > MAX_ENTRIES:
         raise HistoryError(f"its trace holds {len(trace):,} events; at most {MAX_ENTRIES:,} read")
-    sites: dict[int, str] = {}  # a stack shared by many entries (pickle's memo) is walked once
-
-    def site(frames: Any) -> str:
-        key = id(frames)
-        if key not in sites:
-            sites[key] = site_of(frames)
-        return sites[key]
-
+    site = _memo_sites()
     if marks:  # what an earlier recording left in PyTorch's trace is not these steps'
         start = min(m["wall_us"] for m in marks)
         trace = [e for e in trace if int(e.get("time_us", 0)) >= start]
