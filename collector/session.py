@@ -123,6 +123,17 @@ def _init(address: str | None, **kwargs: Any) -> None:
     except Exception as exc:  # Ray raises plain Exception for a node that never came up
         if "timed out during startup" in str(exc):
             raise _ray_error(exc, None) from None
+        text = str(exc)
+        if "Failed to start" in text or "failed to start" in text:  # its GCS, raylet, …
+            log = next((w for w in text.split() if w.endswith((".out", ".err", ".log"))), "")
+            raise StepmemError(
+                "Ray could not start its head on this machine ("
+                + (text.strip().splitlines() or [type(exc).__name__])[0][:160]
+                + ")"
+                + (f"; its log: {log}" if log else "")
+                + " — a file-size limit (ulimit -f), a full disk or /tmp, or no room for its "
+                "processes"
+            ) from None
         raise
 
 

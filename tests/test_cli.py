@@ -464,3 +464,22 @@ def test_other_outputs_and_commands_that_cannot_be_used_are_one_line(
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     line = one_line_error(stepmem(*args, timeout=60), needle)
     record_fault(f"bad input: stepmem {what}", line)
+
+
+def test_ray_that_cannot_start_is_one_line_not_a_bug(record_fault):
+    """N7: a file-size limit stops Ray's GCS from starting; the run says so in one line, exit
+    2, naming Ray's log (it said "this is a bug in stepmem", exit 70)."""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
+
+    argv = ["run", "--speed", "4", "--no-store", "--steps", "1"]
+    r = subprocess.run(
+        [sys.executable, "-m", "collector.cli", *argv],
+        capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("stepmem: error:")]
+    assert "Ray could not start its head" in line and "bug" not in r.stderr
+    record_fault("Ray cannot start its head (ulimit -f 8 KiB)", line[:160], exit_code=2)

@@ -173,3 +173,20 @@ def test_a_process_that_numbered_its_steps_twice_keeps_every_step(tmp_path):
 
     run = load_run(f)
     assert [x.seq for s in run.streams for x in s.records] == [1, 2, 3, 4, 5]
+
+
+def test_a_sampler_listed_twice_is_one_gpu_and_ranks_stay_inside_the_world(tmp_path):
+    """M4, M2: meta.json listing one sampler twice reports one GPU; a rank of 70,000 in a world
+    of 2^40 is refused in one line."""
+    doc = json.loads(RECORDS.read_text())
+    doc["samplers"].append(dict(doc["samplers"][0]))
+    f = tmp_path / "twice.json"
+    f.write_text(json.dumps(doc))
+    from collector.analysis.runs import load_run
+
+    assert len(load_run(f).gpus) == 1
+    doc = json.loads(RECORDS.read_text())
+    doc["records"][0].update(rank=70_000, world_size=1 << 40)
+    f.write_text(json.dumps(doc))
+    r = stepmem("report", str(f))
+    assert r.returncode == 2 and "world_size" in r.stderr, r.stderr

@@ -219,13 +219,12 @@ class Run:
         self._store: RunStore | None = None
         typed = number_records(list(records))
         # checked by check_meta (a file) or made by this stepmem (a run that just ended)
-        self.samplers = sorted(
-            (
-                s if isinstance(s, SamplerInfo) else SamplerInfo.from_untrusted(s, "", MAX_BYTES)
-                for s in meta.get("samplers", [])
-            ),
-            key=lambda s: (s.node_id, s.index),
+        infos = (
+            s if isinstance(s, SamplerInfo) else SamplerInfo.from_untrusted(s, "", MAX_BYTES)
+            for s in meta.get("samplers", [])
         )
+        once = {s.gpu_uuid: s for s in infos}  # a GPU listed twice is one GPU
+        self.samplers = sorted(once.values(), key=lambda s: (s.node_id, s.index))
         self.gpus = [s.gpu_uuid for s in self.samplers]
         self.gpus += sorted({r.gpu_uuid for r in typed} - set(self.gpus))
         self.totals = {s.gpu_uuid: s.total_bytes for s in self.samplers}

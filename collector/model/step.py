@@ -13,7 +13,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from collector.model.kinds import Gap, MemoryKind
-from collector.model.records import ProcessMemory, Stat, take_legacy_estimate, whole
+from collector.model.records import (
+    MAX_WORLD,
+    ProcessMemory,
+    Stat,
+    take_legacy_estimate,
+    whole,
+)
 from collector.model.untrusted import inert
 
 __all__ = ["MAX_BYTES", "PhaseReading", "ProcessesReading", "StepRecord"]
@@ -414,7 +420,8 @@ def _check(r: Any, where: str) -> None:
             )
     for k in _WHO:
         v = r.get(k)
-        if v is not None and not whole(v, 1 if k == "world_size" else 0):
+        top = MAX_WORLD if k in ("rank", "world_size") else (1 << 63) - 1
+        if v is not None and not whole(v, 1 if k == "world_size" else 0, top):
             raise ValueError(f"{where}: {k} must be a non-negative integer, got {v!r}")
     if (r.get("rank") or 0) >= (r.get("world_size") or 1):
         raise ValueError(
