@@ -412,3 +412,12 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, record_fault):
     assert time.monotonic() - t0 < 30 and bomb.read_bytes() == before
     record_fault("hostile input: a YAML alias bomb as baseline --merge --out", line,
                  seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+
+
+def test_baseline_takes_a_run_directory_as_report_does(tmp_path):
+    """N16: the run store a run keeps by default gives the same baseline as its records."""
+    from collector.analysis.baseline import write_baseline
+
+    run = ROOT / "benchmarks/results/fit/runs/h200-fit-gpt2"
+    name, peak = write_baseline(run, tmp_path / "b.yml", None, merge=False)
+    assert name == "script:fit_loop" and abs(peak / (1 << 30) - 29.12) < 0.01

@@ -152,7 +152,11 @@ def _capture_parser(sub) -> None:
 
 def _baseline_parser(sub) -> None:
     b = sub.add_parser("baseline", help="write a workload's peak baseline as a Prometheus rule")
-    b.add_argument("records", type=Path, help="records JSON of an accepted run (run --out)")
+    b.add_argument(
+        "records",
+        type=Path,
+        help="an accepted run: its run directory (runs/<id>) or records JSON (run --out)",
+    )
     b.add_argument("--out", required=True, help="rule file to write")
     b.add_argument("--workload", help="workload name (default: the records' workload label)")
     b.add_argument("--merge", action="store_true", help="keep other workloads already in --out")
