@@ -94,7 +94,7 @@ class SamplerActor:
             from collector.export.remote_write import RemoteWriter
 
             self.writer = RemoteWriter(options.remote_write)
-        addr = options.metrics_addr or ray.util.get_node_ip_address()
+        addr = options.metrics_addr or _node_address()
         port = options.metrics_port + self.device.info.index if options.metrics_port else 0
         self.metrics_addr, self.metrics_port = addr, port
         # A port in use or an address not on this node: the actor stays up to say so in
@@ -373,3 +373,17 @@ class SamplerActor:
             self.writer.mark_stale()  # the run is over: its series end now, not 5 min later
             self.writer.close()
         return self.health()
+
+
+def _node_address() -> str:
+    """The address Ray registered for this actor's node (``--node-ip-address``: 127.0.0.1 on a
+    loopback-only cluster), where /metrics listens unless told otherwise; the machine's outward
+    address only when the node table cannot say."""
+    try:
+        me = ray.get_runtime_context().get_node_id()
+        for n in ray.nodes():
+            if n.get("NodeID") == me and n.get("NodeManagerAddress"):
+                return str(n["NodeManagerAddress"])
+    except Exception as exc:  # the node table is Ray's; a sampler starts without it
+        log.debug("node table unavailable: %s", exc)
+    return ray.util.get_node_ip_address()

@@ -604,3 +604,19 @@ def test_an_idle_connection_that_times_out_is_counted_not_printed(monkeypatch, c
         server.shutdown()
     assert set(server.failed) <= {"TimeoutError", "timeout"}, server.failed
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_sampler_on_a_loopback_cluster_serves_metrics_on_loopback(kill_samplers, record_fault):
+    """N5 (second tester): with no --metrics-addr, /metrics listens where Ray registered the
+    node (127.0.0.1 on this loopback-only cluster), not on the machine's outward address."""
+    from collector.model.settings import SamplerOptions
+
+    placed = launch_samplers(
+        BackendSpec("replay", captures=["idle"], gpus=1), SamplerOptions(run_id="t-bind")
+    )
+    kill_samplers.extend(p.handle for p in placed)
+    assert [p.info.metrics_addr for p in placed] == ["127.0.0.1"]
+    record_fault(
+        "a sampler on a loopback-only Ray cluster, no --metrics-addr",
+        "/metrics binds 127.0.0.1, the node's registered address (it bound the outward one)",
+    )
