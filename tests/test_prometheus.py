@@ -620,3 +620,44 @@ def test_a_sampler_on_a_loopback_cluster_serves_metrics_on_loopback(kill_sampler
         "a sampler on a loopback-only Ray cluster, no --metrics-addr",
         "/metrics binds 127.0.0.1, the node's registered address (it bound the outward one)",
     )
+
+
+def test_slow_clients_lose_their_slots_at_the_request_deadline(monkeypatch, record_fault):
+    """N4 (second tester): sixteen clients trickling a header byte now and then, never idle
+    long enough to time out, lose their slots at the whole-request deadline; a scrape then
+    gets through."""
+    import contextlib
+    import socket
+    import urllib.request
+
+    from collector.export import prometheus
+    from collector.export.prometheus import MAX_CONNECTIONS, SamplerCollector, serve
+
+    monkeypatch.setattr(prometheus, "REQUEST_DEADLINE_S", 1.0)
+    server, port = serve(SamplerCollector(lambda: []), "127.0.0.1", 0)
+    stop = threading.Event()
+    socks = [
+        socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS)
+    ]
+
+    def trickle() -> None:
+        while not stop.wait(0.2):
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.send(b"X")
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        wait_for(lambda: server.failed["deadline"] >= MAX_CONNECTIONS, timeout=60)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+        server.shutdown()
+    record_fault(
+        f"{MAX_CONNECTIONS} clients trickling a byte every 0.2 s at a sampler's /metrics",
+        "each connection is cut at the whole-request deadline; scrapes get through again",
+        cut=server.failed["deadline"],
+    )

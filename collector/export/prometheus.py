@@ -17,9 +17,11 @@ and a 15 s window, 15,000 int64s); see ``benchmarks/export_cost.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16  # concurrent /metrics connections; Prometheus needs one per scrape
 IDLE_TIMEOUT_S = 5.0  # a connection that sends nothing this long is closed
+REQUEST_DEADLINE_S = 10.0  # a connection is cut this long after it was accepted, whatever it sent
 
 
 @dataclass
@@ -175,6 +178,14 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self.refused = 0
         self.failed: Counter[str] = Counter()  # connections that ended in an error, by kind
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._open: dict[int, tuple[Any, float]] = {}  # connection -> its deadline
+        self._open_lock = threading.Lock()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="stepmem-metrics-deadline", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._done.set()
+        super().shutdown()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -197,10 +208,36 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self.failed[type(exc).__name__ if exc else "unknown"] += 1
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # a whole-request deadline: a client that trickles a byte now and then (never idle
+        # for IDLE_TIMEOUT_S) still loses its slot, so a few slow clients cannot keep
+        # Prometheus out for as long as they like
+        with self._open_lock:
+            self._open[id(request)] = (request, time.monotonic() + REQUEST_DEADLINE_S)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._open_lock:
+                self._open.pop(id(request), None)
             self._slots.release()
+
+    def _watch(self) -> None:
+        """One thread for every connection's deadline (not a timer each: the threads stay
+        bounded by the connections)."""
+        while not self._done.wait(min(0.5, REQUEST_DEADLINE_S / 4)):
+            now = time.monotonic()
+            with self._open_lock:
+                late = [r for r, t in self._open.values() if t <= now]
+            for r in late:
+                _cut(r, self)
+
+
+def _cut(request: Any, server: BoundedServer) -> None:
+    """End a connection that outlived its deadline (its handler's next read sees the end)."""
+    import socket
+
+    server.failed["deadline"] += 1
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 def serve(collector: SamplerCollector, addr: str, port: int = 0) -> tuple[Any, int]:
