@@ -32,6 +32,8 @@ MAX_FUTURE_NS = 3600 * 1_000_000_000  # an event stamped further ahead than this
 MAX_SCRAPED = 256  # processes whose newest step /metrics shows (the most recent ones)
 UNDERSAMPLED_SHARE = 0.5  # a step with fewer samples than this share of its rate's is flagged
 UNDERSAMPLED_MIN = 4  # … when its rate promised at least this many
+HOLE_PERIODS = 5  # two samples of a step this many sampling periods apart flag a ``hole`` …
+HOLE_MIN_NS = 5_000_000  # … and at least this far apart
 
 
 def _step_peak(key: str, marks: list[StepEvent], end: StepEvent) -> int | None:
@@ -212,8 +214,13 @@ class StepJoiner:
             flags.append(Gap.OVERRUN)
         else:
             edges = np.concatenate(([begin.t_ns], w.t_ns, [end.t_ns]))
-            if int(np.diff(edges).max()) > sampler.gap_threshold_ns:
+            widest = int(np.diff(edges).max())
+            if widest > sampler.gap_threshold_ns:
                 flags.append(Gap.STALL)
+            elif widest > max(HOLE_PERIODS * sampler.resolution_ns, HOLE_MIN_NS):
+                # a hole of a few periods: a transient inside it is not seen, even in a step
+                # that got most of its samples
+                flags.append(Gap.HOLE)
         period = sampler.resolution_ns  # a replay: the capture's own period when coarser
         expected = (end.t_ns - begin.t_ns) / period if period else 0
         if expected >= UNDERSAMPLED_MIN and len(w) < UNDERSAMPLED_SHARE * expected:

@@ -157,9 +157,12 @@ def test_phases_get_their_own_peaks():
         ([(t * MS, 1) for t in range(100)], 1024, 1, ""),
         # a 40 ms hole in a 50 ms step: a stall, and fewer than half the samples 1 kHz promises
         ([(t * MS, 1) for t in (*range(20), *range(60, 100))], 1024, 1, "stall undersampled"),
+        # a 7 ms hole in a 50 ms step that got most of its samples: a transient may hide there
+        ([(t * MS, 1) for t in (*range(50), *range(57, 100))], 1024, 1, "hole"),
         ([(t * MS, 1) for t in range(100)], 32, 1, "overrun undersampled"),
-        # the last sample 10 ms before the end mark, none after: the end reading is stale
-        ([(t * MS, 1) for t in range(71)], 1024, 1, "stale_end"),
+        # the last sample 10 ms before the end mark, none after: the end reading is stale, and
+        # those 10 ms are a hole a transient could hide in
+        ([(t * MS, 1) for t in range(71)], 1024, 1, "hole stale_end"),
         # a sample just before the end mark, the next 15 ms after it (a starved sampler): a
         # release between the two would not show, so the end reading is flagged too
         ([(t * MS, 1) for t in (*range(80), 95)], 1024, 1, "stale_end"),

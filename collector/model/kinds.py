@@ -165,5 +165,6 @@ class Gap(_Vocabulary):
     SAMPLER_STARTED = "sampler_started"
     OVERRUN = "overrun"
     STALL = "stall"
+    HOLE = "hole"
     UNDERSAMPLED = "undersampled"
     STALE_END = "stale_end"

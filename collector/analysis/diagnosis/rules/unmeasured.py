@@ -33,13 +33,20 @@ def rule(s: Steps) -> list[Finding]:
             )
         )
     under = [r for r in recs if r.has_gap(Gap.UNDERSAMPLED)]
+    holes = [r for r in recs if r.has_gap(Gap.HOLE)]
     stale = [r for r in recs if r.has_gap(Gap.STALE_END)]
-    if under or stale:
+    if under or stale or holes:
         parts = []
         if under:
             parts.append(
                 f"{len(under)} of {len(recs)} steps got under half the samples the rate promised "
                 f"(step {steps_text([r.step for r in under])}): a short transient may be missed"
+            )
+        if holes:
+            parts.append(
+                f"{len(holes)} of {len(recs)} steps have a hole of several sampling periods "
+                f"between two samples (step {steps_text([r.step for r in holes])}): a transient "
+                "inside it is not seen"
             )
         if stale:
             parts.append(
@@ -52,7 +59,12 @@ def rule(s: Steps) -> list[Finding]:
                 "The sampler fell behind (too little CPU, or a stalled NVML): "
                 + "; ".join(parts)
                 + ".",
-                {"undersampled": len(under), "stale_end": len(stale), "of": len(recs)},
+                {
+                    "undersampled": len(under),
+                    "hole": len(holes),
+                    "stale_end": len(stale),
+                    "of": len(recs),
+                },
             )
         )
     return out
