@@ -424,7 +424,7 @@ def test_an_output_never_overwrites_an_input(tmp_path, run_dir, record_fault):
          "cannot write in /proc"),
         ("report --png into a missing folder", ["--png", "{tmp}/nodir/r.png"], "does not exist"),
         ("report --html into a missing folder", ["--html", "{tmp}/nodir/r.html"], "does not exist"),
-        ("report --png ending in /", ["--png", "{tmp}/new.png/"], "is a directory"),
+        ("report --png ending in /", ["--png", "{tmp}/new.png/"], "give a file name"),
     ],
 )  # fmt: skip
 def test_report_outputs_that_cannot_be_written_are_one_line_before_any_work(
@@ -483,3 +483,19 @@ def test_ray_that_cannot_start_is_one_line_not_a_bug(record_fault):
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("stepmem: error:")]
     assert "Ray could not start its head" in line and "bug" not in r.stderr
     record_fault("Ray cannot start its head (ulimit -f 8 KiB)", line[:160], exit_code=2)
+
+
+def test_dashboards_into_a_folder_it_cannot_write_names_the_folder(tmp_path):
+    """N11: the error names the --out folder, not the name of the write check's file."""
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: make the folder a file's child instead
+        (tmp_path / "file").write_text("")
+        ro = tmp_path / "file" / "dash"
+    else:
+        ro.chmod(0o500)
+    r = stepmem("dashboards", "--out", str(ro))
+    assert r.returncode == 2, r.stderr
+    assert "stepmem-probe" not in r.stderr and str(ro) in r.stderr, r.stderr

@@ -367,7 +367,10 @@ def _cmd_dashboards(ns: argparse.Namespace) -> int:
         raise UserError(f"stepmem dashboards: --out {out} is a file, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        writable_file(out / "stepmem-probe.json", "--out", "stepmem dashboards")
+        try:  # the folder is what --out names: say it, not a file name of the check's
+            writable_file(out / ".stepmem-write-test", "--out", "stepmem dashboards")
+        except UserError:
+            raise UserError(f"stepmem dashboards: --out {out}: cannot write in it") from None
         paths = write_all(out)
     except OSError as exc:
         raise UserError(f"stepmem dashboards: --out {out}: {exc.strerror or exc}") from None

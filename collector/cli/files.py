@@ -33,8 +33,10 @@ def writable_file(
     overwrites what it was made from). Returns the path."""
     text = str(path)
     path = Path(path)
-    if text.endswith(("/", os.sep)) or path.is_dir():
+    if path.is_dir():
         raise UserError(f"{prog}: {flag} {text} is a directory, not a file")
+    if text.endswith(("/", os.sep)):
+        raise UserError(f"{prog}: {flag} {text} ends with '/': give a file name")
     if path.exists() and not path.is_file():
         raise UserError(f"{prog}: {flag} {text} is not a plain file")
     target = path.resolve()
