@@ -163,7 +163,7 @@ def start_local_ray(**options: Any) -> None:
     """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
     without a cluster, the benchmarks). ``options`` go to ``ray.init``. Its processes go with
     this one however it ends (:func:`collector.reaper.guard`)."""
-    from collector import reaper
+    import collector.reaper as reaper
 
     loopback_only_ray()
     reaper.guard()
@@ -181,7 +181,7 @@ def start_local_ray(**options: Any) -> None:
 def stop_local_ray() -> None:
     """Shut down the local cluster :func:`start_local_ray` started, then remove any of its
     processes still there (Ray's agents outlive ``ray.shutdown()`` by up to a minute)."""
-    from collector import reaper
+    import collector.reaper as reaper
 
     ray.shutdown()
     token = os.environ.get(reaper.MARK)  # set by reaper.guard() before the cluster started

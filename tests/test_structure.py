@@ -73,3 +73,20 @@ def test_a_training_process_loads_the_probe_and_the_model_only_with_an_estimate_
     loaded = json.loads(out.stdout)
     allowed = ("collector.model", "collector.probe", "collector.lookup")
     assert loaded and all(m == "collector" or m.startswith(allowed) for m in loaded), loaded
+
+
+def test_no_module_imports_its_own_package():
+    """A module of a package importing that package (``from collector.estimate import build``
+    inside ``collector/estimate``) runs the package's ``__init__``, which imports the module
+    back: an import circle however the names resolve. Modules import their siblings."""
+    import ast
+
+    found = []
+    for path in (ROOT / "collector").rglob("*.py"):
+        if path.name in ("__init__.py", "__main__.py"):  # `python -m` runs the package first
+            continue
+        package = ".".join(path.relative_to(ROOT).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == package and not node.level:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []

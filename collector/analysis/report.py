@@ -190,7 +190,7 @@ def _history(run: Run) -> dict[str, Any] | str | None:
     steps never ended)."""
     if run.root is None or not (run.root / "history").is_dir():
         return None
-    from collector.analysis import history
+    import collector.analysis.history as history
 
     try:
         return history.summary(run.root / "history", top=3)

@@ -33,7 +33,7 @@ torch.cuda.synchronize(dev)
 print(json.dumps({"at": "context", "reserved": torch.cuda.memory_reserved(dev)}), flush=True)
 sys.stdin.readline()
 from collector.estimate.spec import Spec
-from collector.estimate import build
+import collector.estimate.build as build
 spec = Spec(size="small", seq_len=256, batch=2, grad_accum=2)
 with dev:
     model = build.build_model(spec)

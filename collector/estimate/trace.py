@@ -48,9 +48,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.estimate import build, cuda_rules
+import collector.estimate.build as build
+import collector.estimate.cuda_rules as cuda_rules
 from collector.estimate.allocator import AllocatorConfig
-from collector.estimate.fit import Target
+from collector.estimate.fit import Target, hold
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
@@ -478,12 +479,10 @@ def _held(
 ) -> None:
     """What the GPU holds: the sequence through the allocator model, per traced step; with a
     card, whether the step fits it and, if not, where it first runs out."""
-    from collector.estimate import fit
-
     sim = simulate(log.events, allocator, streams=log.streams)
     out.allocator = allocator.describe()
     out.steps = _steps(sim)
-    fit.hold(
+    hold(
         out,
         target,
         lambda limit, fraction: simulate(
