@@ -356,3 +356,18 @@ def test_an_estimate_of_another_model_is_named_first_and_no_kernel_is_blamed(tmp
     assert "standing in for CUDA" not in r.stdout and "more than modelled" not in r.stdout
     row = next(x for x in tail.splitlines() if x.strip().startswith("parameters"))
     assert re.search(r"\+25\.10\s+\S+x$", row), row  # the difference and the ratio apart
+
+
+def test_the_headline_names_step_1_when_its_peak_is_the_largest():
+    """Item 6: when step 1 peaks above step 2 (a step-1 transient), the text says so before it
+    names step 2's holder, and the estimate's largest peak is step 1's."""
+    est = Estimate(
+        spec={"size": "tiny", "optim": "adamw_torch", "batch": 1, "seq_len": 64,
+              "grad_accum": 1, "checkpointing": False, "bf16": False},
+        device="cpu", stand_in=True, parameters_count=1000,
+        steady={"parameters": 4 << 20, "activations": 2 << 20},
+        first={"parameters": 4 << 20, "activations": 9 << 20},
+        at_end={"parameters": 4 << 20},
+    )  # fmt: skip
+    assert est.largest_step == 1 and est.largest_peak == 13 << 20
+    assert "Step 1's peak (13.00 MiB) is the largest of the steps traced" in render(est)

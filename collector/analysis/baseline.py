@@ -8,7 +8,6 @@ with the other rule files. Several workloads can share one file (``--merge``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -126,22 +125,11 @@ def write_baseline(records: Path, out: Path, workload: str | None, merge: bool) 
     """Write ``out`` with ``records``' peak as the baseline of its workload. ``out`` may be new
     or a baseline file; with ``merge`` its other workloads are kept, without it a file holding
     other workloads is refused (nothing is dropped silently)."""
-    from collector.analysis.runs import check_meta, check_records, load_run
+    from collector.analysis.runs import load_run
 
-    if records.is_dir():  # a run store: its records, checked as report reads them
-        run = load_run(records)
-        doc: dict[str, Any] = dict(run.meta)
-        recs = [r for s in run.streams for r in s.records]
-    else:
-        try:
-            doc = json.loads(records.read_text())
-        except (OSError, ValueError, RecursionError) as exc:
-            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
-            raise InputError(f"{records} is not a readable records file: {why}") from None
-        if not isinstance(doc, dict):
-            raise InputError(f"{records} is not a stepmem records file")
-        check_meta(doc, str(records))
-        recs = check_records(doc.get("records", []), str(records))
+    run = load_run(records)  # a run directory or a records file, checked as report reads it
+    doc: dict[str, Any] = dict(run.meta)
+    recs = [r for s in run.streams for r in s.records]
     name = workload or workload_of(doc)
     peak = peak_of(recs)
     baselines = read_rules(out) if out.exists() else {}

@@ -128,7 +128,7 @@ class StepEvent:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (events arrive from other processes
         and from files anyone can edit): every number must fit an int64 column, names are
-        bounded, values are finite. The names are made inert (no control characters)."""
+        bounded, values are finite."""
         if self.kind not in STEP_EVENT_KINDS:
             raise ValueError(f"step event kind {self.kind!r} is not one of {STEP_EVENT_KINDS}")
         if not whole(self.step):
@@ -149,7 +149,6 @@ class StepEvent:
             raise ValueError(f"step event gpu_uuid {self.gpu_uuid!r} is empty or too long")
         if not isinstance(self.phase, str) or len(self.phase) > MAX_NAME_CHARS:
             raise ValueError(f"step event phase must be a string of at most {MAX_NAME_CHARS}")
-        self.phase, self.gpu_uuid = inert(self.phase), inert(self.gpu_uuid)  # printed later
         for name in ("torch", "ledger"):
             values = getattr(self, name)
             if not isinstance(values, dict) or len(values) > MAX_VALUES:
@@ -187,8 +186,9 @@ class StepEvent:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepEvent:
-        """An event from its dict form, validated (events are untrusted data); one written
-        before ``estimate_peak`` had its own field gets it from its ledger."""
+        """An event from its dict form, validated (events are untrusted data), its names made
+        inert (no control characters); one written before ``estimate_peak`` had its own field
+        gets it from its ledger."""
         if not isinstance(d, dict):
             raise ValueError(f"step event must be a mapping, got {type(d).__name__}")
         known = {k: d[k] for k in _EVENT_FIELDS if k in d}
@@ -201,6 +201,7 @@ class StepEvent:
             )
         ev = cls(**known)
         ev.validate()
+        ev.phase, ev.gpu_uuid = inert(ev.phase), inert(ev.gpu_uuid)  # printed later: inert
         return ev
 
 
