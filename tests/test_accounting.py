@@ -364,3 +364,29 @@ def test_history_records_the_first_steps_and_the_step_after_a_jump(tmp_path, mon
         (11, GIB),
         (12, 0),
     ]
+
+
+def test_a_stale_end_reading_is_left_out_of_the_table_the_findings_and_the_export():
+    """Steps 3 and 4 of a loaded replay got end readings from before their end marks (4 GiB of
+    a transient still in them): the rule says they are left out, and so they are — no
+    'outside torch changed' finding built from them, '—' in the table, no exported end."""
+    from collector.analysis.report import _row
+    from collector.model.series import SERIES
+
+    recs = [_rec(s, 3 * GIB, [[7, 2 * GIB, "train"]], 3 * GIB) for s in range(1, 7)]
+    for s in (3, 4):
+        recs[s - 1]["nvml_end_bytes"] = 7 * GIB  # the transient's sample, before the end mark
+        recs[s - 1]["gap"] = "stale_end"
+        recs[s - 1]["processes"]["device_used"] = 7 * GIB
+        recs[s - 1]["processes"]["procs"] = [[7, 6 * GIB, "train"]]
+    recs = typed(recs)
+    stale = recs[2]
+    assert stale.nvml_end_bytes == 7 * GIB and stale.nvml_end is None  # kept, not used
+    assert stale.nontorch_end is None
+    assert [a.step for a in accounts(recs)] == [1, 2, 5, 6]
+    found = diagnose(recs)
+    assert not [f for f in found if f.rule == "component_change"], [f.text for f in found]
+    assert any("left out" in f.text and "step 3–4" in f.text for f in found)
+    assert _row(stale, seq=False)[2] == "—"  # the nvml end column
+    (end,) = [s for s in SERIES if s.metric.name == "stepmem_step_nvml_end_bytes"]
+    assert list(end.values(stale)) == [] and list(end.values(recs[0])) == [({}, 3 * GIB)]

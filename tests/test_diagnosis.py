@@ -156,3 +156,21 @@ def test_every_committed_report_leads_with_a_verdict_that_agrees_with_its_findin
     seed = load_run(ROOT / "captures" / "adamw_8bit.capture.parquet")
     lines = verdict(diagnose(seed.streams[0].records, seed.totals[seed.gpus[0]]))
     assert lines[0].startswith("Steady from step 3") and "13.48 GiB" in lines[2]
+
+
+def test_a_peak_resting_on_a_step_with_a_stall_is_a_lower_bound_and_says_so():
+    """The verdict's peak step had a sampling stall: the verdict and the headroom finding call
+    the peak a lower bound, and the stall is named among the sampler's troubles."""
+    recs = _leak_records(set())
+    peak = max(recs, key=lambda r: r.nvml_peak_bytes or 0)
+    peak.gap = "stall"
+    found = diagnose(recs, total_bytes=140 * GIB)
+    (head,) = [f for f in found if f.rule == "headroom"]
+    assert head.numbers["blind_steps"] == [peak.step] and "lower bound" in head.text
+    line = next(x for x in verdict(found) if x.startswith("Peak"))
+    assert f"at least: step {peak.step}'s sampling missed part of it (stall)" in line
+    (starved,) = [f for f in found if f.rule == "starved"]
+    assert "1 of 12 steps have a stall" in starved.text and starved.numbers["stall"] == 1
+    peak.gap = ""  # clean sampling: no hedge
+    line = next(x for x in verdict(diagnose(recs, total_bytes=140 * GIB)) if x.startswith("Peak"))
+    assert "at least" not in line

@@ -30,7 +30,7 @@ __all__ = ["compare"]
 
 METRICS = {
     "nvml_peak_bytes": "NVML within-step peak",
-    "nvml_end_bytes": "NVML end of step",
+    "nvml_end": "NVML end of step",  # a stale end reading is left out
     "torch_allocated_peak_bytes": "torch allocated peak",
     "torch_reserved_peak_bytes": "torch reserved peak",
 }

@@ -52,7 +52,7 @@ def _row(r: StepRecord, seq: bool, shared: bool = False) -> list[str]:
         *([str(r.seq)] if seq else []),
         str(r.step),
         _c(r.nvml_peak_bytes, "—"),  # not measured: no sample inside the step
-        _c(r.nvml_end_bytes, "—"),
+        _c(r.nvml_end, "—"),  # none, or stale (left out: the gap column says so)
         _c(r.torch_allocated_peak_bytes),
         _c(r.allocated_end),
         _c(r.torch_reserved_peak_bytes),

@@ -68,7 +68,7 @@ def _panels(run: Run) -> list[dict[str, Any]]:
                     "end": (r.end_ns - t0) / 1e9,
                     "peak_t": ((r.nvml_peak_t_ns or r.end_ns) - t0) / 1e9,
                     "nvml_peak": gib(r.nvml_peak_bytes),
-                    "nvml_end": gib(r.nvml_end_bytes),
+                    "nvml_end": gib(r.nvml_end),
                     "reserved_peak": gib(r.torch_reserved_peak_bytes, base),
                     "reserved_end": gib(r.reserved_end, base),
                     "ledger": {k: r.ledger_of(k) / GIB for k in LEDGER},

@@ -145,7 +145,7 @@ def account(
     """The account of record ``r`` (None without an end-of-step NVML reading or torch stats).
     ``baseline``: this process's smallest memory outside torch (the run's, by
     :func:`collector.analysis.accounting.accounts`; the sampler's so far, live)."""
-    used = r.nvml_end_bytes
+    used = r.nvml_end  # a stale end reading is left out
     held = held_by_torch(r, caching_off)
     if used is None or held is None or r.reserved_end is None:
         return None
@@ -225,7 +225,7 @@ def mark_points(r: StepRecord | None) -> list[tuple[str, int, int | None]]:
         )
     if not pts:
         pts.append(("step", r.begin_ns, _outside_unsplit(r.nvml_begin_bytes, r.reserved_begin)))
-    pts.append(("end", r.end_ns, _outside_unsplit(r.nvml_end_bytes, r.reserved_end)))
+    pts.append(("end", r.end_ns, _outside_unsplit(r.nvml_end, r.reserved_end)))
     return pts
 
 
@@ -247,7 +247,7 @@ class PeakSplit:
 
 
 def peak_split(r: StepRecord) -> PeakSplit | None:
-    peak, end, res_end = r.nvml_peak_bytes, r.nvml_end_bytes, r.reserved_end
+    peak, end, res_end = r.nvml_peak_bytes, r.nvml_end, r.reserved_end
     if peak is None or end is None or res_end is None:
         return None
     ph = r.peak_phase

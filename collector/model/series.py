@@ -152,9 +152,10 @@ SERIES: tuple[Series, ...] = (
             "stepmem_step_nvml_end_bytes",
             "gauge",
             "bytes",
-            "NVML used at the step's end (first sample at or after the end mark).",
+            "NVML used at the step's end (first sample at or after the end mark); not set "
+            "for a step whose end reading is stale (gap stale_end).",
         ),
-        attr("nvml_end_bytes"),
+        attr("nvml_end"),
         tracker="nvml_end_gib",
     ),
     Series(

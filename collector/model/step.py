@@ -269,6 +269,13 @@ class StepRecord:
         sample only)."""
         return self.nvml_end_bytes is not None and not self.has_gap(Gap.STALE_END)
 
+    @property
+    def nvml_end(self) -> int | None:
+        """The end-of-step NVML reading every figure and finding uses: None when there is
+        none or it is stale (``stale_end``: it rests on a sample from before the end mark and
+        cannot show memory released in between). ``nvml_end_bytes`` keeps what was read."""
+        return self.nvml_end_bytes if self.end_known else None
+
     def has_gap(self, flag: Gap) -> bool:
         return flag in self.gap.split()
 
@@ -290,9 +297,9 @@ class StepRecord:
         either reading). NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out
         driver-reserved memory; measured equal on the H200), so the baseline the probe took with
         ``mem_get_info`` before training subtracts on the same footing."""
-        if self.reserved_end is None or self.nvml_end_bytes is None:
+        if self.reserved_end is None or self.nvml_end is None:
             return None
-        return self.nvml_end_bytes - self.reserved_end - (self.context_baseline or 0)
+        return self.nvml_end - self.reserved_end - (self.context_baseline or 0)
 
     def ledger_of(self, kind: str) -> int:
         """Bytes of a :class:`MemoryKind` (or a ledger figure) at the step's end; 0 unknown."""

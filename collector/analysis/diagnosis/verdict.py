@@ -94,6 +94,11 @@ def _peak(findings: list[Finding], by_kind: dict[FindingKind, Finding]) -> list[
             f"{'s' if len(t.numbers['phase_steps']) > 1 else ''} "
             f"{steps_text(t.numbers['phase_steps'])}"
         )
+    if n.get("peak_gap"):
+        line += f" — at least: step {n['step']}'s sampling missed part of it ({n['peak_gap']})"
+    elif n.get("blind_steps"):
+        k = len(n["blind_steps"])
+        line += f" — at least: {k} step{'s' if k > 1 else ''} missed part of their sampling"
     return [line + "."]
 
 

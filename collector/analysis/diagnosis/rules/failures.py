@@ -26,8 +26,8 @@ def rule(s: Steps) -> list[Finding]:
             nums = {"step": r.step, "peak": r.nvml_peak_bytes, "failed": r.failed}
             if prev is not None and prev.nvml_peak_bytes is not None:
                 text += f"; step {prev.step} before it peaked at {gib(prev.nvml_peak_bytes)}"
-                if prev.nvml_end_bytes is not None:
-                    text += f" and ended at {gib(prev.nvml_end_bytes)}"
+                if prev.nvml_end is not None:
+                    text += f" and ended at {gib(prev.nvml_end)}"
                 nums["previous_peak"] = prev.nvml_peak_bytes
             if r.allocated_end is not None:
                 text += (

@@ -91,15 +91,15 @@ def nvml_transients(s: Steps) -> list[Finding]:
     spikes = [
         r
         for r in s.peaked
-        if r.nvml_end_bytes is not None
-        and (r.nvml_peak_bytes or 0) - r.nvml_end_bytes
-        > max(th.transient_bytes, th.transient_share * r.nvml_end_bytes)
+        if r.nvml_end is not None
+        and (r.nvml_peak_bytes or 0) - r.nvml_end
+        > max(th.transient_bytes, th.transient_share * r.nvml_end)
     ]
     if not spikes:
         return []
 
     def rise(r: StepRecord) -> int:
-        return (r.nvml_peak_bytes or 0) - (r.nvml_end_bytes or 0)
+        return (r.nvml_peak_bytes or 0) - (r.nvml_end or 0)
 
     groups: dict[str, list[StepRecord]] = {}  # by the phase holding the peak
     for r in spikes:

@@ -35,8 +35,15 @@ def rule(s: Steps) -> list[Finding]:
     under = [r for r in recs if r.has_gap(Gap.UNDERSAMPLED)]
     holes = [r for r in recs if r.has_gap(Gap.HOLE)]
     stale = [r for r in recs if r.has_gap(Gap.STALE_END)]
-    if under or stale or holes:
+    stalls = [r for r in recs if r.measured and r.has_gap(Gap.STALL)]
+    if under or stale or holes or stalls:
         parts = []
+        if stalls:
+            parts.append(
+                f"{len(stalls)} of {len(recs)} steps have a stall, a stretch with no sample "
+                f"(step {steps_text([r.step for r in stalls])}): a transient inside it is "
+                "not seen"
+            )
         if under:
             parts.append(
                 f"{len(under)} of {len(recs)} steps got under half the samples the rate promised "
@@ -50,8 +57,9 @@ def rule(s: Steps) -> list[Finding]:
             )
         if stale:
             parts.append(
-                f"{len(stale)} end readings are older than the end mark (step "
-                f"{steps_text([r.step for r in stale])}): left out"
+                f"{len(stale)} end reading{' is' if len(stale) == 1 else 's are'} older than "
+                f"the end mark (step {steps_text([r.step for r in stale])}): left out of "
+                "the table and every finding"
             )
         out.append(
             Finding(
@@ -63,6 +71,7 @@ def rule(s: Steps) -> list[Finding]:
                     "undersampled": len(under),
                     "hole": len(holes),
                     "stale_end": len(stale),
+                    "stall": len(stalls),
                     "of": len(recs),
                 },
             )
