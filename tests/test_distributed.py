@@ -243,3 +243,48 @@ def test_ranks_that_disagree_on_the_world_size_are_said():
             x["world_size"] = 4
     text, _ = render_report(Run("w", {"samplers": []}, typed(recs)))
     assert "do not agree on the world size (2, 4)" in text
+
+
+def test_unrelated_processes_are_never_out_of_balance():
+    """Two captures replayed on two GPUs (or two single-process runs): each is rank 0 of a
+    world of one — no rank out of balance, however far apart their peaks."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
+
+    recs = _ranks(2, odd=1, extra=60 * GIB)
+    for x in recs:
+        x.update(rank=0, world_size=1)
+    text, _ = render_report(Run("two", {"samplers": []}, typed(recs)))
+    assert "out of balance" not in text and "IMBALANCED" not in text
+    assert "Rank 1 (GPU 1) is out of balance" in _fleet(2, odd=1, extra=60 * GIB)  # ranks are
+
+
+def test_a_gpu_without_a_step_is_no_phantom_rank():
+    """Two ranks on GPUs 0 and 1 of three: GPU 2's sampler ran, no process reported to it —
+    it is no third rank, and no rank of a world of one that disagrees with the others."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
+
+    doc = json.loads((ROOT / "benchmarks/results/h200-run2/adamw_8bit.records.json").read_text())
+    (s,) = doc["samplers"]
+    samplers = [{**s, "gpu_uuid": f"GPU-{r}", "index": r} for r in range(3)]
+    text, _ = render_report(Run("idle", {"samplers": samplers}, typed(_ranks(2))))
+    assert "Fleet — 2 ranks, and 1 GPU without a step of the run" in text
+    assert "do not agree on the world size" not in text
+
+
+def test_spawned_ranks_without_local_rank_stand_in_for_one_gpu_each(monkeypatch):
+    """torch.multiprocessing.spawn sets no LOCAL_RANK: a CPU rank stands in for the GPU of its
+    rank, as a torchrun rank does (both landed on GPU 0)."""
+    from collector.probe.core import CPU_AS_ENV, cpu_stands_in_for
+
+    monkeypatch.setenv(CPU_AS_ENV, "GPU-a,GPU-b")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    got = []
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        got.append(cpu_stands_in_for())
+    assert got == ["GPU-a", "GPU-b"]
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's local rank still decides
+    assert cpu_stands_in_for() == "GPU-a"

@@ -305,6 +305,7 @@ def _fleet(run: Run, console: Any) -> None:
     rows = _fleet_rows(run)
     odd_ranks = {(f.numbers["gpu"], f.numbers["pid"]) for f in _imbalance(rows)}
     ranks = any(r.stream.world_size > 1 or len(run.streams_of(r.stream.gpu_uuid)) > 1 for r in rows)
+    idle = [r for r in rows if not r.stream.records]
     shown = rows
     if len(rows) > FLEET_ROWS:
         by_peak = sorted(rows, key=lambda r: -(r.top.nvml_peak_bytes if r.top else -1))
@@ -312,6 +313,11 @@ def _fleet(run: Run, console: Any) -> None:
         keep |= {id(r) for r in rows if r.lost or (r.stream.gpu, r.stream.pid) in odd_ranks}
         shown = [r for r in rows if id(r) in keep]
     what = f"{len(rows)} ranks" if ranks else f"every GPU ({len(rows)})"
+    if ranks and idle:
+        what = (
+            f"{len(rows) - len(idle)} ranks, and {len(idle)} GPU{'s' if len(idle) > 1 else ''} "
+            "without a step"
+        )
     table = Table(title=f"Fleet — {what} of the run (GiB)")
     cols = [
         "GPU",
@@ -331,7 +337,7 @@ def _fleet(run: Run, console: Any) -> None:
         state = "LOST" if row.lost else ("IMBALANCED" if (st.gpu, st.pid) in odd_ranks else "")
         cells = [
             str(st.gpu),
-            *([str(st.rank)] if ranks else []),
+            *([str(st.rank) if st.records else "—"] if ranks else []),
             row.node,
             str(len(st.records)),
             str(st.records[-1].step) if st.records else "—",
@@ -366,7 +372,8 @@ def _compared(run: Run, rows: list[_FleetRow]) -> list[str]:
         ranks = len(rows) > len(run.gpus)
         what = "ranks whose GPU was" if ranks else "GPUs that were"
         out.append(f"Compared: the {len(ran)} {what} not lost.")
-    worlds = sorted({r.stream.world_size for r in rows})
+    # a GPU no process reported a step to is no rank of any world
+    worlds = sorted({r.stream.world_size for r in rows if r.stream.records})
     if len(worlds) > 1:
         out.append(
             "The ranks do not agree on the world size ("

@@ -145,13 +145,14 @@ def _never_raises(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def cpu_stands_in_for() -> str | None:
     """The GPU UUID a CPU-only process reports as, from ``STEPMEM_CPU_AS`` (a comma-separated
-    list: the one at this process's ``LOCAL_RANK``, modulo its length), so CPU ranks stand in
-    for the GPUs a replay simulates (CI has no GPU); None when unset."""
+    list: the one at this process's ``LOCAL_RANK``, modulo its length; without ``LOCAL_RANK``
+    — ``torch.multiprocessing.spawn`` sets none — its rank), so CPU ranks stand in for the GPUs
+    a replay simulates (CI has no GPU) one GPU a rank, as torchrun's do; None when unset."""
     uuids = [u for u in os.environ.get(CPU_AS_ENV, "").split(",") if u.strip()]
     if not uuids:
         return None
-    _, _, local, _ = distributed_identity()
-    return uuids[(local or 0) % len(uuids)].strip()
+    rank, _, local, _ = distributed_identity()
+    return uuids[(rank if local is None else local) % len(uuids)].strip()
 
 
 def _dig(nested: dict[str, Any], path: tuple[str, ...]) -> Any:

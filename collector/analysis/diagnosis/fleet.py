@@ -49,7 +49,15 @@ def imbalance(rows: list[Ranked], th: Thresholds = THRESHOLDS) -> list[Finding]:
     each with the ledger part that differs most from the median rank's (parameters, gradients,
     optimizer state, other allocated: activations and temporaries). Only ranks above: the
     alert's rule (``StepMemRankImbalance``), and the rank to look at."""
-    ranked = [r for r in rows if r.alloc is not None and not r.lost]
+    # ranks of one job: a world of several, the size most streams agree on (two unrelated
+    # processes — replays of two captures, two single-process runs — are not out of balance)
+    worlds = [r.stream.world_size for r in rows if r.stream.world_size > 1 and r.stream.records]
+    if not worlds:
+        return []
+    world = statistics.mode(worlds)
+    ranked = [
+        r for r in rows if r.alloc is not None and not r.lost and r.stream.world_size == world
+    ]
     if len(ranked) < 2:
         return []
     allocs = [r.alloc or 0 for r in ranked]
