@@ -316,12 +316,15 @@ class SamplerActor:
             "started_ns": self.sampler.started_ns,
         }
 
-    def replay_from(self, origin_ns: int, loop: bool = True) -> None:
+    def replay_from(self, origin_ns: int, loop: bool = True, stand_in: bool = False) -> None:
         """Replay backend: restart playback so capture time 0 falls at monotonic ``origin_ns``
         (the job aligns every replayed GPU of a node after they have all started); ``loop``
-        False plays the capture once and then holds its last value."""
+        False plays the capture once and then holds its last value. ``stand_in``: CPU
+        processes bring the steps (``--command``, ``--train-workers``): the capture is not
+        their memory, and their steps get no NVML figure (gap ``stand_in``)."""
         if not isinstance(self.device, ReplayControl):
             raise TypeError("replay_from is for the replay backend")
+        self.joiner.stand_in = bool(stand_in)
         self.device.align(int(origin_ns), bool(loop))
 
     def inject_fault(self, kind: str, every: int = 1) -> None:

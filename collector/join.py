@@ -46,6 +46,10 @@ def _error_of(end: StepEvent) -> str:
     return end.phase.removeprefix(ERROR_PREFIX) if end.phase.startswith(ERROR_PREFIX) else ""
 
 
+def _empty(w: SampleWindow) -> SampleWindow:
+    return SampleWindow(w.t_ns[:0], w.used[:0], w.reserved[:0])
+
+
 def _reading_at_mark(ring: RingBuffer, t_ns: int, window_ns: int) -> tuple[int, int, int] | None:
     """The device at a step mark: the lower of the last sample at or before the mark and the
     first one after it, when that came within ``window_ns`` (the sampler's mark window). Memory
@@ -85,6 +89,9 @@ class StepJoiner:
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.sampler = sampler
+        # CPU processes stand in for this replayed GPU (``stepmem run --backend replay
+        # --command``): their steps get no NVML figure (gap ``stand_in``)
+        self.stand_in = False
         # per-process readings for the records of one poll (the join thread, never the sampler's)
         self._processes = processes
         self._clock = clock
@@ -168,7 +175,7 @@ class StepJoiner:
                     (ready if force or p[1].t_ns < newest else waiting).append(p)
                 self._pending = waiting
             out = [self.join(b, e, ph) for b, e, ph in ready]
-            if self._processes is not None:
+            if self._processes is not None and not self.stand_in:
                 for rec in out:  # a reading for each step's end (live: now, shared by the poll)
                     rec.processes = self._processes(rec)
             self.records.extend(out)
@@ -239,7 +246,10 @@ class StepJoiner:
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:
         ring, sampler = self.sampler.ring, self.sampler
         w = ring.window(begin.t_ns, end.t_ns)
-        gap = self._gap(begin, end, w)
+        if self.stand_in:  # a capture beside CPU processes: none of its samples are theirs
+            w, gap = _empty(w), Gap.STAND_IN
+        else:
+            gap = self._gap(begin, end, w)
         at_end = _reading_at_mark(ring, end.t_ns, sampler.mark_window_ns)
         at_begin = _reading_at_mark(ring, begin.t_ns, sampler.mark_window_ns)
         # A step without samples has no NVML figures (None, never 0 bytes), its end reading
@@ -291,6 +301,8 @@ class StepJoiner:
         out = []
         for (opener, name), closer in zip(starts, closers, strict=True):
             w = ring.window(opener.t_ns, closer.t_ns)
+            if self.stand_in:
+                w = _empty(w)
             k = int(np.argmax(w.used)) if len(w) else None
             at = _reading_at_mark(ring, opener.t_ns, gap) if len(w) else None
             out.append(

@@ -202,7 +202,10 @@ def _replay_banner(opts: JobOptions, why: str) -> str:
     )
     if opts.command or opts.train_workers:  # CPU processes bring the steps
         what = "the command's" if opts.command else f"{opts.train_workers} Ray Train workers'"
-        banner += f"; {what} CPU processes stand in for the GPUs (their steps, the capture's NVML)"
+        banner += (
+            f"; {what} CPU processes stand in for the GPUs (their steps and ledger; the "
+            "capture plays beside them, not joined to their steps: no NVML figure)"
+        )
     return banner
 
 

@@ -110,7 +110,8 @@ class RunSession:
             # CPU stand-ins bring the steps: the captures play from now, in a loop
             self._stand_in_origin = time.monotonic_ns()
             ray.get(
-                [p.handle.replay_from.remote(self._stand_in_origin) for p in placed], timeout=60
+                [p.handle.replay_from.remote(self._stand_in_origin, stand_in=True) for p in placed],
+                timeout=60,
             )
         _private_dir(Path(self.options.spool))
         free = _free_bytes(self.options.spool)
@@ -137,7 +138,7 @@ class RunSession:
             origin, loop = self._stand_in_origin, True
         if origin is not None and self.spec.kind == "replay":
             try:
-                ray.get(p.handle.replay_from.remote(origin, loop=loop), timeout=30)
+                ray.get(p.handle.replay_from.remote(origin, loop=loop, stand_in=loop), timeout=30)
             except Exception as exc:
                 log.warning("sampler %s could not be re-aligned: %s", p.name, _first_line(exc))
 

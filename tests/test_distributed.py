@@ -101,6 +101,11 @@ def test_torchrun_ranks_each_report_their_own_steps(tmp_path, record_fault):
         assert xs[-1].ledger["parameters"] > 0 and xs[-1].ledger["unsharded_parameters_peak"] > 0
     assert "rank 0 of 2" in res.stdout and "rank 1 of 2" in res.stdout
     assert "Fleet — 2 ranks of the run" in res.stdout
+    # the capture played beside the CPU ranks is not their memory: no NVML figure, no verdict
+    # on it (it read 0 bytes, "headroom 140 GiB", before)
+    assert all(x.gap == "stand_in" and x.nvml_peak_bytes is None for x in recs)
+    assert "No NVML figure: CPU processes stood in for the GPU" in res.stdout
+    assert "headroom" not in res.stdout
     record_fault(
         "torchrun with 2 FSDP2 ranks on one (replayed) GPU under `stepmem run --command`",
         "each rank's probe reports through the run's spool (no Ray in the ranks); every step of "

@@ -251,6 +251,34 @@ def test_a_step_without_samples_has_no_nvml_figures_not_zero_bytes():
     assert rec.nvml_end_bytes is None and rec.nvml_reserved_bytes is None
 
 
+def test_a_stand_in_step_takes_nothing_from_the_capture_playing_beside_it():
+    """CPU processes standing in for a replayed GPU (``run --backend replay --command``): the
+    capture's samples (its idle lead-in's 0 bytes, its loop) are not their memory — no NVML
+    figure, gap ``stand_in``; the phases and the torch side are still the step's own."""
+    from collector.analysis.diagnosis import diagnose, verdict
+
+    def steps(stand_in: bool):
+        j = joiner_with([(t * MS, 7 << 30 if t % 7 else 0) for t in range(100)])
+        j.stand_in = stand_in
+        for k in (1, 2, 3):
+            j.add(ev("begin", k, (25 * k - 20) * MS))
+            j.add(ev("phase", k, (25 * k - 10) * MS, "optimizer"))
+            j.add(ev("end", k, 25 * k * MS))
+        return j.poll(force=True)
+
+    recs = steps(stand_in=True)
+    for rec in recs:
+        assert rec.gap == "stand_in" and rec.samples == 0 and not rec.measured
+        assert rec.nvml_peak_bytes is None and rec.nvml_end_bytes is None
+        assert [p.phase for p in rec.phases] == ["forward_backward", "optimizer"]
+        assert all(p.nvml_peak_bytes is None for p in rec.phases)
+    found = diagnose(recs, total_bytes=140 << 30)
+    assert verdict(found)[0].startswith("No NVML figure: CPU processes stood in for the GPU")
+    assert not [f for f in found if f.rule in ("headroom", "steady_state", "transient", "unsteady")]
+    measured = steps(stand_in=False)  # the same steps joined as a GPU's: the capture's figures
+    assert "headroom" in {f.rule for f in diagnose(measured, total_bytes=140 << 30)}
+
+
 def test_records_are_read_safely_while_the_join_thread_polls():
     """The run store drains records through a Ray call while the actor's join thread polls and
     appends: reading must neither raise ("deque mutated during iteration") nor skip a step."""

@@ -168,3 +168,6 @@ class Gap(_Vocabulary):
     HOLE = "hole"
     UNDERSAMPLED = "undersampled"
     STALE_END = "stale_end"
+    # CPU processes stood in for a replayed GPU: its NVML is a capture playing beside them,
+    # not their memory, so their steps carry no NVML figure
+    STAND_IN = "stand_in"

@@ -153,7 +153,9 @@ class StepRecord:
     after the step began); ``overrun`` (the ring no longer holds the window's start); ``stall``
     (two samples further apart than the gap threshold); with any of these ``undersampled``
     (fewer than half the samples the rate promised) and ``stale_end`` (the first sample after
-    the end mark came late: the end reading rests on an older sample).
+    the end mark came late: the end reading rests on an older sample); ``stand_in`` (CPU
+    processes stood in for a replayed GPU: the capture's NVML is not their memory, and the step
+    has no NVML figure).
 
     **Torch figures**: ``torch_*_peak_bytes`` are the allocator's peaks over the step (the
     largest of the phases'); ``torch_begin``/``torch_end`` the event's mappings (keys in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collector.analysis.diagnosis.kinds import Finding, FindingKind
 from collector.analysis.diagnosis.text import steps_text
+from collector.model.kinds import Gap
 from collector.model.units import gib, size
 
 __all__ = ["verdict"]
@@ -28,6 +29,15 @@ def _ending(by_kind: dict[FindingKind, Finding]) -> list[str]:
     if K.INTERRUPTED in by_kind:
         return [f"Stopped during step {by_kind[K.INTERRUPTED].numbers['step']}."]
     u = by_kind.get(K.UNMEASURED)
+    if (
+        u is not None
+        and u.numbers["steps"] == u.numbers["of"]
+        and u.numbers["gaps"] == [Gap.STAND_IN.value]
+    ):
+        return [
+            "No NVML figure: CPU processes stood in for the GPU (a replay beside them); the "
+            "steps and the ledger below are theirs."
+        ]
     if u is not None and u.numbers["steps"] == u.numbers["of"]:
         return [
             "No NVML sample in any step: every NVML figure is unknown (steps shorter than the "

@@ -12,7 +12,19 @@ from collector.model.kinds import Gap
 def rule(s: Steps) -> list[Finding]:
     out = []
     recs = s.all_steps
-    missing = [r for r in recs if not r.measured]
+    stand_ins = [r for r in recs if r.has_gap(Gap.STAND_IN)]
+    missing = [r for r in recs if not r.measured and not r.has_gap(Gap.STAND_IN)]
+    if stand_ins:
+        out.append(
+            Finding(
+                FindingKind.UNMEASURED,
+                f"{len(stand_ins)} of {len(recs)} steps ran in CPU processes standing in for a "
+                f"replayed GPU (step {steps_text([r.step for r in stand_ins])}; stand_in): the "
+                "capture that played beside them is not their memory, so they have no NVML "
+                "figure; their steps, phases and ledger are their own.",
+                {"steps": len(stand_ins), "of": len(recs), "gaps": [Gap.STAND_IN.value]},
+            )
+        )
     if missing:
         why = sorted({r.gap or "no_samples" for r in missing})
         out.append(
