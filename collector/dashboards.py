@@ -255,7 +255,8 @@ def _rank_panels() -> list[Any]:
         _ts(
             "Every byte at step end",
             "NVML used at each step's end by component (stepmem_step_account_bytes; they sum to "
-            "NVML end): baseline, torch reserved, outside torch in the training process, other "
+            "NVML end): baseline (the CUDA context before training), torch reserved, first use "
+            "(cuBLAS workspaces, NCCL buffers kept), outside torch in the training process, other "
             "processes, memory no process is charged for (CUDA managed/UVM, e.g. paged optimizer "
             "state), remainder; 'outside_torch_unsplit' where NVML gave no per-process readings.",
             "bytes",

@@ -390,3 +390,36 @@ def test_a_stale_end_reading_is_left_out_of_the_table_the_findings_and_the_expor
     assert _row(stale, seq=False)[2] == "—"  # the nvml end column
     (end,) = [s for s in SERIES if s.metric.name == "stepmem_step_nvml_end_bytes"]
     assert list(end.values(stale)) == [] and list(end.values(recs[0])) == [({}, 3 * GIB)]
+
+
+def test_one_baseline_everywhere_the_column_the_finding_and_every_byte_agree():
+    """The quick-start capture: the table's non-torch column, the 'outside torch' finding and
+    the every-byte line (and the exported account) name one figure beyond one baseline — the
+    CUDA context before training — where they gave 0.14, 0.01 beyond a 0.74 baseline, and a
+    third split (new-user trial N6/N12)."""
+    from collector.analysis.runs import load_run
+    from collector.model.account import account
+    from collector.model.kinds import Component
+    from collector.model.series import SERIES
+
+    run = load_run(Path(__file__).parent.parent / "captures/adamw_8bit.capture.parquet")
+    recs = run.by_gpu[run.gpus[0]]
+    found = diagnose(recs)
+    nontorch = next(f for f in found if f.rule == "nontorch")
+    ident = next(f for f in found if f.rule == "accounting")
+    last = next(r for r in reversed(recs) if r.step == ident.numbers["step"])
+    accs = {a.step: a for a in accounts(recs)}
+    comp = accs[last.step].components()
+    beyond = sum(v for k, v in comp.items() if k not in (Component.BASELINE, "torch reserved"))
+    assert comp[Component.BASELINE] == last.context_baseline  # the probe's, before training
+    assert beyond == last.nontorch_end  # the column
+    assert comp[Component.FIRST_USE] > 100 << 20  # cuBLAS's workspaces, on the H200
+    assert f"{beyond / GIB:.2f} GiB lies outside torch beyond the baseline (CUDA context" in (
+        nontorch.text
+    )
+    assert f"baseline {last.context_baseline / GIB:.2f} + torch reserved" in ident.text
+    # live, the sampler's account has the same baseline
+    (acc_series,) = [s for s in SERIES if s.metric.name == "stepmem_step_account_bytes"]
+    live = dict((labels["component"], v) for labels, v in acc_series.values(last))
+    assert live["baseline"] == last.context_baseline
+    assert account(last, last.process_pid, None) is not None

@@ -33,6 +33,7 @@ LEDGER = {
 ACCOUNT = {
     Component.BASELINE: "#8c8c8c",
     Component.TORCH_RESERVED: "#4c72b0",
+    Component.FIRST_USE: "#937860",
     Component.OUTSIDE_TORCH: "#c44e52",
     Component.OTHER_PROCESSES: "#dd8452",
     Component.NO_PROCESS: "#8172b3",

@@ -5,16 +5,21 @@ run-level half — a run's baseline, its changes, where they happened — is
 
 For one GPU at the end of a step::
 
-    NVML device used = baseline + torch reserved + outside torch (this process)
+    NVML device used = baseline + torch reserved + first use + outside torch (this process)
                        + other processes + no process + remainder
 
 * **torch reserved**: live tensors (by ledger kind when the probe watched the model and
   optimizer: parameters, gradients, optimizer state, other live) + cached-free + inactive split;
-* **baseline**: this process's memory outside torch at its smallest over the run (the CUDA
-  context, libraries loaded before step 1); without per-process readings, the probe's reading
-  before training (device used − reserved then, which also holds other processes of that time);
-* **outside torch (this process)**: NVML per-process used − reserved − baseline: NCCL buffers,
-  cuBLAS workspaces, raw ``cudaMalloc``, another library's own allocator;
+* **baseline**: the CUDA context as the probe read it before training (device used − reserved
+  then, which also holds other processes of that time) — the one baseline of the report's
+  table, its findings and ``stepmem_step_account_bytes``; a capture recorded before the probe
+  read it: this process's memory outside torch at its smallest over the run;
+* **first use**: what this process added outside torch after that reading and kept — its
+  memory outside torch at its smallest over the run, less the baseline (cuBLAS workspaces,
+  NCCL's buffers at the first collective);
+* **outside torch (this process)**: NVML per-process used − reserved − its smallest over the
+  run: what came and went beyond first use (raw ``cudaMalloc``, another library's own
+  allocator, NCCL buffers that grow);
 * **other processes**: NVML per-process used of every other process on the GPU, by pid and name;
 * **no process**: device used − Σ per-process used — memory no process is charged for, such as
   CUDA managed (UVM) memory resident on the GPU: a paged optimizer's state (NVML's per-process
@@ -113,8 +118,14 @@ class Account:
         return sum(b for _, _, b in self.others)
 
     def components(self) -> dict[Component, int]:
-        """Named components, summing to ``device_used``."""
-        out = {Component.BASELINE: self.baseline, Component.TORCH_RESERVED: self.reserved}
+        """Named components, summing to ``device_used``. One baseline everywhere: the CUDA
+        context as the probe read it before training (what the table's non-torch column and
+        :attr:`StepRecord.nontorch_end` subtract); what this process added outside torch on
+        first use and kept is its own component, :attr:`Component.FIRST_USE`."""
+        first = self.first_use
+        out = {Component.BASELINE: self.baseline - first, Component.TORCH_RESERVED: self.reserved}
+        if self.unsplit is None and self.before is not None:
+            out[Component.FIRST_USE] = first
         if self.unsplit is not None:
             out[Component.OUTSIDE_UNSPLIT] = self.unsplit
         else:

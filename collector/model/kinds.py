@@ -150,6 +150,7 @@ class Component(_Vocabulary):
 
     BASELINE = ("baseline", "baseline")
     TORCH_RESERVED = ("torch reserved", "torch_reserved")
+    FIRST_USE = ("first use", "first_use")
     OUTSIDE_TORCH = ("outside torch, this process", "outside_torch")
     OTHER_PROCESSES = ("other processes", "other_processes")
     NO_PROCESS = ("no process (managed/UVM)", "no_process")

@@ -69,12 +69,17 @@ def _identity(s: Steps, a: Account) -> Finding:
         if s.shown(a.inactive_split):
             inner.append(f"inactive split {n(a.inactive_split)}")
     held = "torch's tensors (ledger)" if a.caching_off else Component.TORCH_RESERVED
-    terms = [f"baseline {n(a.baseline)}", f"{held} {n(a.reserved)} ({'; '.join(inner)})"]
+    comp = a.components()
+    terms = [
+        f"baseline {n(comp[Component.BASELINE])}",
+        f"{held} {n(a.reserved)} ({'; '.join(inner)})",
+    ]
     if a.unsplit is not None:
         terms += parts([(f"outside torch, unsplit ({a.unsplit_why})", a.unsplit)])
     else:
         terms += parts(
             [
+                ("first use (kept since)", comp.get(Component.FIRST_USE)),
                 ("outside torch in this process", a.outside),
                 (Component.OTHER_PROCESSES, a.other_processes),
                 (Component.NO_PROCESS, a.no_process),

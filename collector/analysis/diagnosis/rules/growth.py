@@ -177,7 +177,12 @@ def _outside_grew(s: Steps) -> dict[Component, int]:
     if len(accs) < 2:
         return {}
     first, last = accs[0].components(), accs[-1].components()
-    inside = (Component.BASELINE, Component.TORCH_RESERVED, Component.REMAINDER)
+    inside = (
+        Component.BASELINE,
+        Component.FIRST_USE,
+        Component.TORCH_RESERVED,
+        Component.REMAINDER,
+    )
     return {k: last[k] - first[k] for k in last if k not in inside}
 
 

@@ -29,7 +29,8 @@ def rule(s: Steps) -> list[Finding]:
         flags = sorted({g for r in blind for g in r.gap.split() if g in BLIND})
         at_least = (
             f" A lower bound: {len(blind)} step{'s' if len(blind) > 1 else ''} with samples "
-            f"missed part of their time (step {steps_text([r.step for r in blind])}; "
+            f"missed part of {'their' if len(blind) > 1 else 'its'} time (step "
+            f"{steps_text([r.step for r in blind])}; "
             f"{', '.join(flags)}), where a higher transient would not be seen."
         )
     return [

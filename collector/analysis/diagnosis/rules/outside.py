@@ -7,16 +7,14 @@ from __future__ import annotations
 
 from collector.analysis.diagnosis.kinds import Finding, FindingKind
 from collector.analysis.diagnosis.steps import Steps
+from collector.model.kinds import Component
 from collector.model.units import gib
 
 
 def who(s: Steps) -> str:
     """How the training process was known, when it was not from the probe."""
     if s.pid_source == "identified":
-        return (
-            f" The training process, pid {s.pid}, is the one holding torch's pool (the probe "
-            "did not name it)."
-        )
+        return f" Pid {s.pid} holds torch's pool: the training process (the probe did not name it)."
     return ""
 
 
@@ -56,9 +54,17 @@ def rule(s: Steps) -> list[Finding]:
                 minor=not s.shown(nt),
             )
         ]
-    beyond = a.device_used - a.reserved - a.baseline
+    comp = a.components()
+    base = comp[Component.BASELINE]
+    # the table's non-torch figure, split: one baseline everywhere (the CUDA context before
+    # training, or for an older capture this process's smallest over the run)
+    beyond = a.device_used - a.reserved - base
     nums.update(outside=a.outside, others=a.other_processes, no_process=a.no_process)
     parts = []
+    first = comp.get(Component.FIRST_USE, 0)
+    if first >= th.first_use_bytes or (first and s.shown(first)):
+        nums["first_use"] = first
+        parts.append(f"{gib(first)} kept since first use (cuBLAS, NCCL)")
     if s.shown(a.outside):
         parts.append(f"{gib(a.outside or 0)} in this process (NCCL, cuBLAS, raw cudaMalloc)")
     others = [(pid, n, b) for pid, n, b in a.others if s.shown(b)]
@@ -67,23 +73,16 @@ def rule(s: Steps) -> list[Finding]:
         parts.append(f"{gib(a.other_processes)} in other processes ({listed})")
     if s.shown(a.no_process):
         parts.append(f"{gib(a.no_process or 0)} charged to no process (CUDA managed/UVM memory)")
+    what = (
+        "CUDA context before training"
+        if Component.FIRST_USE in comp
+        else "this process's least over the run"
+    )
     text = (
-        f"At step {a.step}'s end, {gib(beyond)} of NVML used lies outside torch beyond this "
-        f"process's baseline ({gib(a.baseline)})" + (f": {'; '.join(parts)}." if parts else ".")
+        f"At step {a.step}'s end, {gib(beyond)} lies outside torch beyond the baseline "
+        f"({what}, {gib(base)})" + (f": {'; '.join(parts)}." if parts else ".")
     )
-    f = Finding(
-        FindingKind.NONTORCH,
-        text,
-        nums,
-        steps=(a.step, a.step),
-        minor=not parts and a.first_use < th.first_use_bytes,
-    )
+    f = Finding(FindingKind.NONTORCH, text, nums, steps=(a.step, a.step), minor=not parts)
     if who(s):
         f.add(who(s))
-    if a.first_use >= th.first_use_bytes:
-        nums["first_use"] = a.first_use
-        f.add(
-            f" Of the baseline, {gib(a.first_use)} appeared on first use and stayed (cuBLAS "
-            "workspaces, NCCL's buffers)."
-        )
     return [f]
