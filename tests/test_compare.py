@@ -186,3 +186,28 @@ def test_a_run_name_cannot_break_out_of_the_markdown_code_span(tmp_path):
     f = _write(tmp_path, "x`](http:evil) **PASS**", seed_doc())
     r = stepmem("compare", str(f), str(f))
     assert "`x'](http:evil) **PASS**`" in r.stdout, r.stdout
+
+
+def test_a_new_run_of_another_workload_cannot_pass_the_gate(tmp_path, record_fault):
+    """A CI job pointed at the wrong baseline: NEW is another workload (spiky against the 7B
+    fine-tune, by the samplers' labels or, in a records file written before them, by the
+    runner's summary). It was 'No peak grew by more than 5 %', exit 0; now 'Cannot compare',
+    naming both, unless --other-workload asks for it."""
+    spiky = ROOT / "benchmarks/results/h200-run2/spiky.records.json"
+    r = stepmem("compare", str(RECORDS), str(spiky))
+    assert r.returncode == 1 and "Cannot compare" in r.stdout, r.stdout
+    assert "BASE is a run of 'finetune', NEW of 'spiky'" in r.stdout, r.stdout
+    asked = stepmem("compare", str(RECORDS), str(spiky), "--other-workload")
+    assert "BASE is a run of 'finetune'" in asked.stdout and "Cannot compare" not in asked.stdout
+    assert asked.returncode == 0, asked.stdout  # spiky uses less: judged, and passes
+    # the labels the samplers carry now: two replays of different captures
+    base, new = seed_doc(), seed_doc()
+    base["samplers"][0]["workload"] = "replay:adamw_8bit"
+    new["samplers"][0]["workload"] = "replay:spiky"
+    r = stepmem("compare", str(_write(tmp_path, "b", base)), str(_write(tmp_path, "n", new)))
+    assert r.returncode == 1 and "NEW of 'replay:spiky'" in r.stdout, r.stdout
+    assert stepmem("compare", str(RECORDS), str(RECORDS)).returncode == 0  # one workload
+    record_fault(
+        "compare: NEW of another workload than BASE (a gate pointed at the wrong baseline)",
+        "exit 1, 'Cannot compare', both workloads named; --other-workload judges them anyway",
+    )

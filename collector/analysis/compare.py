@@ -252,7 +252,7 @@ def _differences(base: Run, new: Run) -> list[str]:
             f"**Different GPUs**: BASE ran on {cards(base)}, NEW on {cards(new)}: the peaks "
             "compare as bytes, the headroom does not."
         )
-    bw, nw = (r.meta.get("workload_summary") or {} for r in (base, new))
+    bw, nw = base.workload_summary, new.workload_summary
     if isinstance(bw, dict) and isinstance(nw, dict) and bw and nw:
         differ = sorted(
             k for k in set(bw) | set(nw) if k in _WORKLOAD_KEYS and bw.get(k) != nw.get(k)
@@ -269,11 +269,35 @@ def _differences(base: Run, new: Run) -> list[str]:
 _WORKLOAD_KEYS = ("workload", "size", "config", "optim", "seq_len", "batch", "grad_accum")
 
 
-def compare(base: Run, new: Run, tolerance: float, max_unsampled: float = 0.05) -> tuple[str, bool]:
+def _other_workload(base: Run, new: Run) -> str | None:
+    """Why the runs are of two workloads (their labels differ), or None: a gate pointed at
+    the wrong baseline must not go green."""
+    bl, nl = base.workload_label, new.workload_label
+    if not bl or not nl or bl == nl:
+        return None
+    return (
+        f"BASE is a run of {_code(bl)!r:.80}, NEW of {_code(nl)!r:.80}: a gate judges a workload "
+        "against its own baseline (--other-workload judges them anyway)"
+    )
+
+
+def compare(
+    base: Run,
+    new: Run,
+    tolerance: float,
+    max_unsampled: float = 0.05,
+    other_workload: bool = False,
+) -> tuple[str, bool]:
     """Markdown comparing NEW with BASE stream by stream (GPU, rank), and whether NEW fails
-    the gate (see the module docstring)."""
+    the gate (see the module docstring). ``other_workload``: judge runs whose workload labels
+    differ (else they cannot be compared)."""
     lines = [f"## stepmem compare: `{_code(new.name)}` against `{_code(base.name)}`", ""]
     problems = [p for p in (_finished("BASE", base), _finished("NEW", new)) if p]
+    other = _other_workload(base, new)
+    if other and not other_workload:
+        problems.append(other)
+    elif other:
+        lines += [f"**Other workloads**, judged as asked (--other-workload): {other}.", ""]
     regressions: list[str] = []
     for which, run in (("BASE", base), ("NEW", new)):
         if not run.streams:

@@ -273,6 +273,29 @@ class Run:
     def status(self) -> str:
         return str(self.meta.get("status") or "complete")
 
+    @property
+    def workload_summary(self) -> dict[str, Any]:
+        """What the runner said of its workload (a store's ``workload_summary``; a records
+        file keeps it as ``workload``); empty when none."""
+        for key in ("workload_summary", "workload"):
+            v = self.meta.get(key)
+            if isinstance(v, dict) and v:
+                return v
+        return {}
+
+    @property
+    def workload_label(self) -> str:
+        """What ran: the samplers' ``workload`` label (``finetune``, ``script:train``,
+        ``replay:adamw_8bit``), else a store's ``workload``, else the runner's summary's (a
+        records file written before its samplers carried the label); empty when unknown."""
+        labels = sorted({s.workload for s in self.samplers if s.workload})
+        if labels:
+            return "+".join(labels)
+        v = self.meta.get("workload")
+        if isinstance(v, str) and v:
+            return v
+        return str(self.workload_summary.get("workload") or "")
+
     def streams_of(self, uuid: str) -> list[Stream]:
         return [s for s in self.streams if s.gpu_uuid == uuid]
 

@@ -351,7 +351,11 @@ def _cmd_compare(ns: argparse.Namespace) -> int:
     if ns.markdown:
         md_path = writable_file(ns.markdown, "--markdown", "stepmem compare", (ns.base, ns.new))
     md, regressed = compare(
-        load_run(ns.base), load_run(ns.new), ns.tolerance, max_unsampled=ns.max_unsampled
+        load_run(ns.base),
+        load_run(ns.new),
+        ns.tolerance,
+        max_unsampled=ns.max_unsampled,
+        other_workload=ns.other_workload,
     )
     print(md)
     if md_path is not None:

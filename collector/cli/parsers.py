@@ -209,6 +209,12 @@ def _compare_parser(sub) -> None:
         "still be judged, on its other steps: 0.05 or 5%% (default); above it, or when every "
         "step lacks them, the runs cannot be compared",
     )
+    cp.add_argument(
+        "--other-workload",
+        action="store_true",
+        help="judge NEW against a BASE of another workload (their labels differ: finetune, "
+        "script:NAME, replay:CAPTURE); without it they cannot be compared",
+    )
     cp.add_argument("--markdown", help="write the Markdown (for a PR comment) here")
 
 
