@@ -293,3 +293,21 @@ def test_spawned_ranks_without_local_rank_stand_in_for_one_gpu_each(monkeypatch)
     assert got == ["GPU-a", "GPU-b"]
     monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's local rank still decides
     assert cpu_stands_in_for() == "GPU-a"
+
+
+def test_a_rank_is_the_one_its_process_settled_on():
+    """A probe whose first step ran before the process group existed says rank 0 of 1 there
+    and rank 1 of 2 after: the stream is rank 1 of 2 (it was labelled rank 0 beside the real
+    rank 0), and the world sizes agree."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import Run
+
+    recs = [x for x in _ranks(2) if x["step"] <= 3]
+    for x in recs:
+        x["gpu_uuid"] = "GPU-0"
+        if x["rank"] == 1 and x["step"] == 1:
+            x.update(rank=0, world_size=1)
+    run = Run("late", {"samplers": []}, typed(recs))
+    assert sorted((s.rank, s.world_size) for s in run.streams) == [(0, 2), (1, 2)]
+    text, _ = render_report(run)
+    assert "do not agree on the world size" not in text and "rank 1 of 2 (pid 1001)" in text

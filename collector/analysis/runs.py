@@ -239,6 +239,11 @@ class Run:
                 if s is None:
                     s = by_pid[r.pid] = Stream(uuid, i, r.pid, r.rank, r.world_size)
                 s.records.append(r)
+            for s in by_pid.values():
+                # the rank a process settled on: a probe's first step may run before its
+                # process group exists (rank 0 of 1), its later ones know
+                last = s.records[-1]
+                s.rank, s.world_size = last.rank, last.world_size
             self.streams += sorted(by_pid.values(), key=lambda s: (s.rank, s.pid))
             if not by_pid:
                 self.streams.append(Stream(uuid, i, 0, 0, 1))
