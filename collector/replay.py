@@ -221,6 +221,7 @@ class Capture:
                     f"capture {path}: events[{i}] is at {ev['t_ns'] / 1e9:.0f} s, far past the "
                     f"samples' end ({duration / 1e9:.1f} s)"
                 )
+        _check_step_order(meta.get("events", []), path)
         dev = meta["device"]
         return cls(
             t_ns=t,
@@ -235,6 +236,22 @@ class Capture:
             notes=meta.get("notes", {}),
             name=path.name.removesuffix(".parquet").removesuffix(".capture"),
         )
+
+
+def _check_step_order(events: list[dict[str, Any]], path: Path) -> None:
+    """Refuse a step whose end comes before its begin (an edited capture, a probe on a skewed
+    clock): played, it would be dropped without a word. Steps are paired per process by their
+    ``seq`` (or, before captures had one, by their order in the file)."""
+    begun: dict[tuple[Any, ...], int] = {}
+    for i, ev in enumerate(events):
+        key = (ev.get("pid", 0), ev.get("seq") or 0, ev["step"])
+        if ev["kind"] == "begin":
+            begun[key] = int(ev["t_ns"])
+        elif ev["kind"] == "end" and key in begun and int(ev["t_ns"]) < begun.pop(key):
+            raise CaptureError(
+                f"capture {path}: events[{i}], the end of step {ev['step']}, comes before its "
+                "begin (an edited capture, or a clock that went back)"
+            )
 
 
 @functools.lru_cache(maxsize=8)

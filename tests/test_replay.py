@@ -22,7 +22,7 @@ from collector.replay import (
 )
 from tests.caps import CASES, hostile, stepped
 from tests.cli import bad_input, one_line_error, stepmem
-from tests.records import RECORDS
+from tests.records import RECORDS, ROOT
 
 GIB = 1 << 30
 
@@ -303,3 +303,23 @@ def test_a_capture_with_more_rows_than_a_replay_holds_is_refused(tmp_path, monke
     import numpy as np
 
     assert isinstance(dev._used, np.ndarray)  # 8 bytes a value, not a Python int each
+
+
+def test_a_capture_whose_step_ends_before_it_begins_is_refused(tmp_path):
+    """Step 1's end moved 1 µs before its begin: the replay dropped the step without a word
+    (exit 0, steps 2 and 3 only); now the capture is refused naming the event."""
+    import copy
+    import dataclasses
+
+    from collector.replay import Capture
+
+    cap = Capture.load(ROOT / "captures" / "spiky.capture.parquet")
+    events = copy.deepcopy(cap.events)
+    begin = next(e for e in events if e["kind"] == "begin" and e["step"] == 1)
+    end = next(e for e in events if e["kind"] == "end" and e["step"] == 1)
+    end["t_ns"] = begin["t_ns"] - 1000
+    bad = dataclasses.replace(cap, events=events).save(tmp_path / "bad.capture.parquet")
+    with pytest.raises(CaptureError, match=r"the end of step 1, comes before its begin"):
+        Capture.load(bad)
+    res = stepmem("run", "--capture", str(bad), "--no-store", "--steps", "3")
+    assert res.returncode == 2 and "comes before its begin" in res.stderr, res.stderr
