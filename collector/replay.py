@@ -214,14 +214,7 @@ class Capture:
                     f"capture {path}: {name} holds values outside 0..{total} bytes (the card's "
                     f"total): {int(v.min())}..{int(v.max())}"
                 )
-        duration = int(t[-1])
-        for i, ev in enumerate(meta.get("events", [])):
-            if ev["t_ns"] > duration + MAX_EVENT_AFTER_NS:
-                raise CaptureError(
-                    f"capture {path}: events[{i}] is at {ev['t_ns'] / 1e9:.0f} s, far past the "
-                    f"samples' end ({duration / 1e9:.1f} s)"
-                )
-        _check_step_order(meta.get("events", []), path)
+        _check_events(meta.get("events", []), int(t[-1]), path)
         dev = meta["device"]
         return cls(
             t_ns=t,
@@ -238,12 +231,18 @@ class Capture:
         )
 
 
-def _check_step_order(events: list[dict[str, Any]], path: Path) -> None:
-    """Refuse a step whose end comes before its begin (an edited capture, a probe on a skewed
-    clock): played, it would be dropped without a word. Steps are paired per process by their
-    ``seq`` (or, before captures had one, by their order in the file)."""
+def _check_events(events: list[dict[str, Any]], duration: int, path: Path) -> None:
+    """Refuse an event far past the samples' end, and a step whose end comes before its begin
+    (an edited capture, a probe on a skewed clock): played, it would be dropped without a word.
+    Steps are paired per process by their ``seq`` (or, before captures had one, by their order
+    in the file)."""
     begun: dict[tuple[Any, ...], int] = {}
     for i, ev in enumerate(events):
+        if ev["t_ns"] > duration + MAX_EVENT_AFTER_NS:
+            raise CaptureError(
+                f"capture {path}: events[{i}] is at {ev['t_ns'] / 1e9:.0f} s, far past the "
+                f"samples' end ({duration / 1e9:.1f} s)"
+            )
         key = (ev.get("pid", 0), ev.get("seq") or 0, ev["step"])
         if ev["kind"] == "begin":
             begun[key] = int(ev["t_ns"])

@@ -17,6 +17,7 @@ import ray
 
 import workloads
 from collector.probe.outbox import Outbox
+from collector.supervise import GRACE_S, supervised
 
 if TYPE_CHECKING:
     from collector.backends import BackendSpec
@@ -118,7 +119,9 @@ class CommandRunner:
     reports to this run — through Ray if it is connected, else through the run's spool folder
     (``STEPMEM_SPOOL``). With the replay backend, CPU processes stand in for the replayed GPUs
     of this node (``STEPMEM_CPU_AS``): the NVML trace is the capture's, the steps the
-    command's. Ctrl-C or SIGTERM stops the command first (SIGTERM, then SIGKILL after 10 s)."""
+    command's. The command runs under :mod:`collector.supervise`, in a process group of its
+    own: Ctrl-C or SIGTERM stops the group first (SIGTERM, then SIGKILL after 10 s), and a job
+    killed outright takes the group with it."""
 
     fails_as_workload = True
 
@@ -137,16 +140,16 @@ class CommandRunner:
         if self.cpu_as:
             env[CPU_AS_ENV] = ",".join(self.cpu_as)
         t0 = time.monotonic()
-        try:
-            child = subprocess.Popen(self.cmd, env=env)
+        try:  # under its keeper: the command's whole process group ends with this job
+            child = subprocess.Popen(supervised(self.cmd), env=env)
         except OSError as exc:
             raise RuntimeError(f"cannot run {self.cmd[0]!r}: {exc.strerror or exc}") from None
         try:
             rc = child.wait()
         except BaseException:  # Ctrl-C, SIGTERM: the command goes first, then the teardown
-            child.terminate()
+            child.terminate()  # the keeper: SIGTERM to the group, SIGKILL after 10 s
             try:
-                child.wait(10)
+                child.wait(GRACE_S + 5)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
