@@ -138,7 +138,8 @@ def problems(drainer: Drainer, writer: RunWriter, samplers: int) -> list[str]:
     if drainer.restarts:
         out.append(
             f"{sum(drainer.restarts.values())} sampler restart(s) ({', '.join(drainer.restarts)}):"
-            " the steps in flight then were lost, those around it are flagged sampler_started"
+            " the steps in flight then were lost (the report marks them, by the probe's count), "
+            "and a step that began before its new sampler started is flagged sampler_started"
         )
     if drainer.records_lost:
         out.append(f"{drainer.records_lost} step records were no longer kept when drained")

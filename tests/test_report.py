@@ -568,3 +568,29 @@ def test_a_run_without_any_nvml_sample_says_so_in_its_verdict():
                  nvml_min_bytes=None, nvml_end_bytes=None, nvml_reserved_bytes=None)  # fmt: skip
     lines = verdict(diagnose(typed(recs), 150754820096))
     assert lines[0].startswith("No NVML sample in any step"), lines
+
+
+def test_steps_lost_with_a_killed_sampler_are_marked_not_dropped():
+    """The sampler was killed with steps 1–2 in flight: the table started at step 3 as if the
+    run had, and the step 1→2 jump vanished without a word. Now the lost steps have a row and a
+    line, by the probe's count (seq), and a hostile seq of 2^62 is one run of lost steps, not a
+    loop."""
+    from collector.analysis.runs import Run
+
+    doc = json.loads(RECORDS.read_text())  # written before records had seq: 1, 2, … here
+    for k, r in enumerate(doc["records"], 1):
+        r["seq"] = k
+    recs = [r for r in doc["records"] if r["seq"] >= 3]
+    text, _ = render_report(Run("killed", {"samplers": doc["samplers"]}, typed(recs)))
+    assert "2 steps lost" in text
+    assert "Lost: 2 steps this process ran (# 1–2, by the probe's count)" in text
+    table = text[: text.index("Lost:")]
+    assert table.index("2 steps lost") < table.index("│    3 │")  # the row sits before step 3
+    whole, _ = render_report(Run("whole", {"samplers": doc["samplers"]}, typed(doc["records"])))
+    assert "lost" not in whole
+    huge = copy.deepcopy(doc["records"][-1])
+    huge.update(
+        seq=1 << 62, step=6, begin_ns=huge["end_ns"] + 10**9, end_ns=huge["end_ns"] + 2 * 10**9
+    )
+    run = Run("huge", {"samplers": doc["samplers"]}, typed([*doc["records"], huge]))
+    assert run.streams[0].lost == [(6, (1 << 62) - 1)]

@@ -64,7 +64,7 @@ def _pids(path: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()]
 
 
-def test_a_killed_job_takes_its_command_and_the_commands_children_with_it(tmp_path):
+def test_a_killed_job_takes_its_command_and_the_commands_children_with_it(tmp_path, record_fault):
     script, pids = tmp_path / "cmd.py", tmp_path / "pids"
     script.write_text(COMMAND)
     job = subprocess.Popen(
@@ -77,8 +77,15 @@ def test_a_killed_job_takes_its_command_and_the_commands_children_with_it(tmp_pa
     cmd, grandchild = _pids(pids)
     job.kill()  # SIGKILL: no handler runs in the job
     job.wait()
+    t0 = time.monotonic()
     assert _wait_for(lambda: not any(map(_alive, (keeper, cmd, grandchild)))), (
         "the command outlived its job"
+    )
+    record_fault(
+        "SIGKILL of a `--command` job while its command (and a process the command started) runs",
+        "the keeper, the command and its child end with the job (PR_SET_PDEATHSIG, then the "
+        "command's process group): nothing writes step events for a dead run",
+        seconds_to_gone=round(time.monotonic() - t0, 2),
     )
 
 

@@ -99,7 +99,17 @@ def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
     for col in ("#", *COLUMNS) if seq else COLUMNS:
         table.add_column(col, justify="right")
     rows = shown_rows(recs, all_steps)
+    lost = dict(stream.lost)  # first lost seq → last
+    width = len(COLUMNS) + seq
     for k, i in enumerate(rows):
+        if i is not None:
+            # the steps lost just before this record (after the one shown before it)
+            before = recs[i - 1].seq if i > 0 else 0
+            for a, b in [(a, b) for a, b in lost.items() if before < a < (recs[i].seq or 0)]:
+                n = b - a + 1
+                table.add_row(
+                    *map(Text, ["—"] * (width - 1)), Text(f"{n} step{'s' if n > 1 else ''} lost")
+                )
         if i is None:
             nxt = rows[k + 1]
             prev = rows[k - 1]
@@ -147,6 +157,8 @@ def render_report(
     for stream in run.streams:
         several = len(run.streams_of(stream.gpu_uuid)) > 1
         console.print(_table(run, stream, several, all_steps))
+        if stream.lost:
+            console.print(Text(_lost_line(stream), style="bold"))
         # the history is the first GPU of rank 0's process: its sites belong to that stream
         sites = history if stream is _history_stream(run) else {}
         fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose)
@@ -176,6 +188,18 @@ def render_report(
     if doc is not None and run.root is not None:
         _sites(run.root / "history", doc, console)
     return console.export_text(), findings
+
+
+def _lost_line(stream: Stream) -> str:
+    """Steps this process ran that no record holds, by the probe's numbering (#)."""
+    n = sum(b - a + 1 for a, b in stream.lost)
+    where = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in stream.lost[:8])
+    more = ", …" if len(stream.lost) > 8 else ""
+    return (
+        f"Lost: {n} step{'s' if n > 1 else ''} this process ran (# {where}{more}, by the "
+        "probe's count) reached no record — a sampler restarted or events were dropped (see "
+        "above); the findings below cannot see them (a jump into a lost step is not judged)."
+    )
 
 
 def _history_stream(run: Run) -> Stream | None:

@@ -162,6 +162,9 @@ def number_records(records: list[StepRecord]) -> list[StepRecord]:
     return out
 
 
+MAX_LOST_LISTED = 1_000  # runs of lost sequence numbers a stream lists
+
+
 @dataclass
 class Stream:
     """One training process's steps on one GPU, in time order."""
@@ -178,6 +181,22 @@ class Stream:
         """The caller's step numbers are not one increasing series (epochs restarted them)."""
         steps = [r.step for r in self.records]
         return any(b <= a for a, b in itertools.pairwise(steps))
+
+    @property
+    def lost(self) -> list[tuple[int, int]]:
+        """The runs of sequence numbers (first, last) this process gave steps that no record
+        holds — a sampler killed with steps in flight, events dropped on the way: the probe
+        numbers a process's steps 1, 2, … so a gap is a step that ran and was not kept. At
+        most :data:`MAX_LOST_LISTED` runs (a hostile seq of 2^62 is one run, not a loop)."""
+        out: list[tuple[int, int]] = []
+        prev = 0
+        for k in sorted({r.seq for r in self.records if r.seq}):
+            if k > prev + 1:
+                out.append((prev + 1, k - 1))
+                if len(out) >= MAX_LOST_LISTED:
+                    break
+            prev = k
+        return out
 
     def numbered(self) -> list[StepRecord]:
         """The records as the diagnosis reads them: by the caller's step numbers when those
