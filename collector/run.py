@@ -68,6 +68,7 @@ class JobResult:
     status: str = "complete"  # complete | failed | interrupted | incomplete
     problems: list[str] = dataclasses.field(default_factory=list)
     rate_hz: float = 0.0
+    replay_speed: float | None = None  # the steps are a capture's, played at this speed
     interrupted: BaseException | None = None  # the Ctrl-C/SIGTERM that ended it, re-raised after
 
     def meta(self) -> dict[str, Any]:
@@ -82,6 +83,8 @@ class JobResult:
         }
         if self.problems:
             doc["problems"] = self.problems
+        if self.replay_speed is not None:
+            doc["replay_speed"] = self.replay_speed
         if self.error is not None:
             doc["error"] = self.error
         return doc
@@ -304,6 +307,7 @@ def run_job(opts: JobOptions, echo=print, plan: Plan | None = None) -> JobResult
         status=run.status,
         problems=run.problems,
         rate_hz=options.sampling.rate.hz,
+        replay_speed=run.replay_speed,
         interrupted=interrupted,
     )
     name = options.run_id if run.writer is not None else "(not stored: --no-store)"

@@ -89,6 +89,7 @@ class RunSession:
         self.records: list[StepRecord] = []
         self.health: list[dict[str, Any]] = []
         self.problems: list[str] = []  # why the run is not completely recorded
+        self.replay_speed: float | None = None  # the steps are a capture's, played at this speed
         self._stand_in_origin: int | None = None  # replay played under CPU stand-ins, from
         self.status = "running"
         self._history_set = False  # this run set STEPMEM_HISTORY_DIR (and unsets it at the end)
@@ -106,6 +107,8 @@ class RunSession:
             )
         self.runner = runner_for(opts, self.spec, placed, self.options.run_id)
         self.outbox = self.runner.outbox(placed)
+        if isinstance(self.runner, ReplayRunner):
+            self.replay_speed = float(opts.speed)
         if self.spec.kind == "replay" and not isinstance(self.runner, ReplayRunner):
             # CPU stand-ins bring the steps: the captures play from now, in a loop
             self._stand_in_origin = time.monotonic_ns()
@@ -123,6 +126,8 @@ class RunSession:
         os.environ[SPOOL_ENV] = self.options.spool  # this run's processes without Ray
         if opts.store is not None:
             meta = _meta(opts, self.options, self.banner, placed)
+            if self.replay_speed is not None:
+                meta["replay_speed"] = self.replay_speed
             self.writer = RunWriter(opts.store / self.options.run_id, meta)
             self.drainer = Drainer(self.writer, placed, on_restart=self._restarted)
             echo(f"run store: {self.writer.root.resolve()}")

@@ -594,3 +594,37 @@ def test_steps_lost_with_a_killed_sampler_are_marked_not_dropped():
     )
     run = Run("huge", {"samplers": doc["samplers"]}, typed([*doc["records"], huge]))
     assert run.streams[0].lost == [(6, (1 << 62) - 1)]
+
+
+def test_a_sped_up_replay_gives_times_inside_a_step_as_the_recorded_run_took_them():
+    """The same recorded step peaked '607 ms in' at 1x and '152 ms in' at 4x: times inside a
+    step are the recorded run's, whatever the replay's speed; the sampling line says why a
+    sped-up step holds fewer samples, and a replay over before its samplers warmed up is not
+    blamed on the CPU."""
+    from collector.analysis.report import sampling_line
+    from collector.analysis.runs import Run
+
+    doc = json.loads(RECORDS.read_text())
+    quick = copy.deepcopy(doc)
+    for r in quick["records"]:  # the same steps, played 4x as fast
+        for k in ("begin_ns", "end_ns", "nvml_peak_t_ns"):
+            if r.get(k) is not None:
+                r[k] = doc["records"][0]["begin_ns"] + (r[k] - doc["records"][0]["begin_ns"]) // 4
+        for ph in r.get("phases") or []:
+            for k in ("begin_ns", "end_ns", "nvml_peak_t_ns"):
+                if ph.get(k) is not None:
+                    ph[k] = (
+                        doc["records"][0]["begin_ns"] + (ph[k] - doc["records"][0]["begin_ns"]) // 4
+                    )
+    slow, _ = render_report(Run("x1", {"samplers": doc["samplers"]}, typed(doc["records"])))
+    fast, _ = render_report(
+        Run("x4", {"samplers": doc["samplers"], "replay_speed": 4.0}, typed(quick["records"]))
+    )
+    at = slow.index(" ms in")
+    figure = slow[slow.rindex(" ", 0, at) + 1 : at]
+    assert f"{figure} ms in" in fast and "A replay at 4x: times inside a step" in fast
+    health = [{"rate_hz": 2.0, "mean_rate_hz": 2.0, "missed_deadlines": 0}]
+    line = sampling_line({"health": health, "rate_hz": 1000, "replay_speed": 1e9}, [])
+    assert "over before the samplers came up to speed" in line and "too little CPU" not in line
+    line = sampling_line({"health": health, "rate_hz": 1000}, [])
+    assert "too little CPU" in line  # a live run (or 1x) that got 2 Hz did lack CPU

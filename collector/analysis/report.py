@@ -144,6 +144,13 @@ def render_report(
     quality = sampling_line(run.meta, run.samplers)
     if quality:
         console.print(Text(quality))
+    if run.time_scale != 1:
+        console.print(
+            Text(
+                f"A replay at {run.time_scale:g}x: times inside a step are the recorded run's "
+                f"({run.time_scale:g}× the replay's)."
+            )
+        )
     repeat = [s for s in run.streams if s.steps_repeat]
     if repeat:
         console.print(
@@ -161,7 +168,9 @@ def render_report(
             console.print(Text(_lost_line(stream), style="bold"))
         # the history is the first GPU of rank 0's process: its sites belong to that stream
         sites = history if stream is _history_stream(run) else {}
-        fs = diagnose(stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose)
+        fs = diagnose(
+            stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose, run.time_scale
+        )
         findings[(stream.gpu_uuid, stream.pid)] = fs
         head = verdict(fs)
         if head:
@@ -527,7 +536,14 @@ def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
     reachable = target if isinstance(target, int | float) else 0
     if coarse and reachable:
         reachable = min(reachable, 1e9 / coarse)
-    if reachable and min(rates) < 0.5 * reachable:
+    speed = meta.get("replay_speed")
+    fast = isinstance(speed, int | float) and not isinstance(speed, bool) and speed > 1
+    if reachable and min(rates) < 0.5 * reachable and fast and speed >= 10:
+        line += (
+            f" — the replay ran at {speed:g}x and was over before the samplers came up to "
+            "speed (not a want of CPU)"
+        )
+    elif reachable and min(rates) < 0.5 * reachable:
         line += " — the samplers got too little CPU: short transients may be missed"
         nice = max((int(h.get("sampler_niceness") or 0) for h in health), default=0)
         if nice > 0:
@@ -535,6 +551,12 @@ def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
                 f" (their threads ran at nice {nice}, Ray's for its workers: lowering it needs "
                 "CAP_SYS_NICE)"
             )
+    if fast:
+        line += (
+            f"; a replay at {speed:g}x: each step lasts 1/{speed:g} of its recorded time, so "
+            "it holds that many times fewer samples (a step shorter than the sampling period "
+            "has none)"
+        )
     if coarse > 2_000_000:
         line += (
             f". The NVML trace resolves {coarse / 1e6:.0f} ms (the capture's own rate): "

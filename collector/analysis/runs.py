@@ -298,6 +298,16 @@ class Run:
         return str(self.meta.get("status") or "complete")
 
     @property
+    def time_scale(self) -> float:
+        """A replay's speed: its steps took 1/N of the recorded run's time, and the findings
+        give times inside a step as the recorded run's (1: a live run, a stand-in, a store
+        written before runs said)."""
+        v = self.meta.get("replay_speed")
+        if isinstance(v, int | float) and not isinstance(v, bool) and 1e-6 <= v <= 1e12:
+            return float(v)
+        return 1.0
+
+    @property
     def workload_summary(self) -> dict[str, Any]:
         """What the runner said of its workload (a store's ``workload_summary``; a records
         file keeps it as ``workload``); empty when none."""

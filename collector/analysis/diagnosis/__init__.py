@@ -43,15 +43,17 @@ def diagnose(
     total_bytes: int | None = None,
     sites: dict[int, dict[str, Any]] | None = None,
     verbose: bool = False,
+    time_scale: float = 1.0,
 ) -> list[Finding]:
     """Findings for one stream's records, rule by rule, reconciled. A step without NVML samples
     has None NVML figures (never 0 bytes): it is named and left out of every rule that reads
     NVML. ``sites``: the allocation history's summary by step, to cite; ``verbose``: name
-    figures under the noise floor too."""
+    figures under the noise floor too; ``time_scale``: a replay's speed (its times inside a
+    step are given as the recorded run's)."""
     from collector.analysis.diagnosis.rules import RULES
 
     typed = sorted(recs, key=lambda r: r.step)
     if not typed:
         return [Finding(FindingKind.EMPTY, "No complete step was recorded.")]
-    s = Steps(typed, total_bytes, dict(sites or {}), verbose, THRESHOLDS)
+    s = Steps(typed, total_bytes, dict(sites or {}), verbose, THRESHOLDS, time_scale)
     return reconcile([f for rule in RULES for f in rule(s)])

@@ -25,6 +25,7 @@ class Steps:
     sites: dict[int, dict[str, Any]] = field(default_factory=dict)
     verbose: bool = False
     th: Thresholds = THRESHOLDS
+    time_scale: float = 1.0  # a replay at Nx: its steps took 1/N of the recorded run's time
 
     def __post_init__(self) -> None:
         self.recs = [r for r in self.all_steps if not r.failed] or list(self.all_steps)
@@ -45,6 +46,11 @@ class Steps:
     def shown(self, n: int | None) -> bool:
         """Whether a component of ``n`` bytes is worth a word (always, with ``--verbose``)."""
         return self.verbose or (n is not None and abs(n) >= self.floor)
+
+    def ms(self, ns: int) -> str:
+        """``812 ms``: a time inside a step as the recorded run took it (a replay's wall time
+        times its speed)."""
+        return f"{ns * self.time_scale / 1e6:.0f}"
 
     def span(self, a: StepRecord, b: StepRecord) -> int:
         """How many steps lie from ``a`` to ``b`` (by the order they ran, measured or not)."""

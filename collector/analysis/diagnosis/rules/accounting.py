@@ -13,7 +13,6 @@ from collector.analysis.diagnosis.steps import Steps
 from collector.analysis.diagnosis.text import steps_text
 from collector.model.account import Account
 from collector.model.kinds import Component
-from collector.model.step import StepRecord
 from collector.model.units import gib, gib_figure
 
 
@@ -104,14 +103,14 @@ def _identity(s: Steps, a: Account) -> Finding:
     )
 
 
-def _where(w: Where | None, by_step: dict[int, StepRecord]) -> str:
+def _where(w: Where | None, s: Steps) -> str:
     """`` — in optimizer, 812–830 ms into step 3`` for a located change (empty if not)."""
     if w is None:
         return ""
     if w.phase == "between steps":
         return f" — between step {w.step - 1}'s end and step {w.step}'s begin"
-    t0 = by_step[w.step].begin_ns
-    span = f"{(w.from_ns - t0) / 1e6:.0f}–{(w.to_ns - t0) / 1e6:.0f} ms into step {w.step}"
+    t0 = s.by_step[w.step].begin_ns
+    span = f"{s.ms(w.from_ns - t0)}–{s.ms(w.to_ns - t0)} ms into step {w.step}"
     return f" — in {w.phase}, {span}" if w.phase != "step" else f" — {span}"
 
 
@@ -133,7 +132,7 @@ def _component_changes(s: Steps, accs: list[Account]) -> list[Finding]:
         listed = ", ".join(
             f"{'+' if c.delta > 0 else '−'}{gib(abs(c.delta))} at step {c.step}"
             + (f" (since step {c.since}'s end)" if c.since != c.step - 1 else "")
-            + _where(c.where, s.by_step)
+            + _where(c.where, s)
             + (f" ({'; '.join(c.who)})" if c.who else "")
             for c in cs
         )

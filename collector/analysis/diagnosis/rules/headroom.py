@@ -21,7 +21,7 @@ def rule(s: Steps) -> list[Finding]:
     peak, total = top.nvml_peak_bytes or 0, s.total_bytes
     unseen = len(s.all_steps) - len(s.peaked)
     of = f" (of the {len(s.peaked)} steps with samples)" if unseen else ""
-    where = peak_where(top)
+    where = peak_where(top, s)
     ph = top.peak_phase
     blind = [r for r in s.peaked if BLIND & set(r.gap.split())]
     at_least = ""

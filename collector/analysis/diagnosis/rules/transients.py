@@ -20,12 +20,12 @@ from collector.model.step import StepRecord
 from collector.model.units import gib
 
 
-def peak_where(r: StepRecord) -> str:
+def peak_where(r: StepRecord, s: Steps) -> str:
     """``in its optimizer phase, 812 ms in`` for a step's NVML peak (empty: unknown)."""
     ph = r.peak_phase
     parts = [f"in its {ph.phase.replace('_', '/')} phase"] if ph else []
     if r.nvml_peak_t_ns is not None:
-        parts.append(f"{(r.nvml_peak_t_ns - r.begin_ns) / 1e6:.0f} ms in")
+        parts.append(f"{s.ms(r.nvml_peak_t_ns - r.begin_ns)} ms in")
     return ", ".join(parts)
 
 
@@ -110,7 +110,7 @@ def nvml_transients(s: Steps) -> list[Finding]:
     name = phase.phase if phase else ""
     group = groups[name]
     ms = (
-        f", {(big.nvml_peak_t_ns - big.begin_ns) / 1e6:.0f} ms in"
+        f", {s.ms(big.nvml_peak_t_ns - big.begin_ns)} ms in"
         if big.nvml_peak_t_ns is not None
         else ""
     )
