@@ -16,7 +16,7 @@ from collector.analysis.runs import load_run
 from collector.model.units import GIB
 from collector.store import RunWriter
 from tests.caps import hostile
-from tests.records import RECORDS, typed, unmeasured_run
+from tests.records import RECORDS, ROOT, typed, unmeasured_run
 
 H200 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h200-run2"
 # Run stores written by `ray job submit ... python -m collector.job` on the H200
@@ -628,3 +628,24 @@ def test_a_sped_up_replay_gives_times_inside_a_step_as_the_recorded_run_took_the
     assert "over before the samplers came up to speed" in line and "too little CPU" not in line
     line = sampling_line({"health": health, "rate_hz": 1000}, [])
     assert "too little CPU" in line  # a live run (or 1x) that got 2 Hz did lack CPU
+
+
+def test_a_capture_reports_the_rate_it_was_recorded_at_and_draws_its_timeline(tmp_path):
+    """A --rate max capture said '0 Hz', and --png refused it ('need a run directory') though
+    it holds the whole trace; a records file, which holds none, is still refused."""
+    cap = ROOT / "captures" / "spiky.capture.parquet"
+    png, html = tmp_path / "spiky.png", tmp_path / "spiky.html"
+    res = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "report", str(cap), "--png", str(png),
+         "--html", str(html)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    flat = " ".join(res.stdout.split())  # the report wraps at 150 columns
+    assert "(0 Hz" not in flat and "--rate max: 72,989 Hz recorded" in flat
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "<html" in html.read_text()[:500]
+    res = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "report", str(RECORDS), "--png", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and "a run directory or a capture" in res.stderr

@@ -204,3 +204,33 @@ def test_a_value_no_column_can_hold_is_counted_never_kills_the_store(tmp_path):
     meta = RunStore(tmp_path / "run").meta
     assert meta["status"] == "incomplete" and meta["write_errors"] == {"steps": 1}
     assert meta["rows_written"]["samples"] == 2
+
+
+def test_a_torn_part_of_the_samples_or_the_events_is_said_not_silent(tmp_path, record_fault):
+    """A store copied in a hurry: the last samples part cut to 100 bytes. The report was the
+    intact store's, word for word, until --png failed; now the run says which part cannot be
+    read (as it does for the events), and keeps every step."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import load_run
+
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_samples("GPU-a", np.arange(5), np.arange(5) * 2, np.zeros(5))
+    w.add_records([record(1), record(2)])
+    w.add_events([StepEvent("begin", 1, 1, "GPU-a", torch={"x": 1})])
+    w.close()
+    root = tmp_path / "run"
+    assert "cannot be read" not in render_report(load_run(root))[0]
+    for folder in ("samples/GPU-a", "events"):
+        (part,) = (root / folder).glob("part-*.parquet")
+        part.write_bytes(part.read_bytes()[:100])
+    run = load_run(root)
+    text, _ = render_report(run)
+    assert "1 part(s) of the NVML samples cannot be read (samples/GPU-a/part-" in text
+    assert "1 part(s) of the probe's events cannot be read (events/part-" in text
+    assert [r.step for r in run.streams[0].records] == [1, 2]
+    record_fault(
+        "a run store whose samples part and events part are cut short (a torn copy)",
+        "report names each part that cannot be read and keeps every step; --png says why it "
+        "cannot draw",
+        steps_kept=len(run.streams[0].records),
+    )

@@ -51,11 +51,13 @@ def records_from_capture(cap: Capture) -> list[StepRecord]:
 
 def capture_run_meta(path: Path, cap: Capture) -> dict:
     """The run metadata a report of a capture shows."""
+    span = int(cap.t_ns[-1] - cap.t_ns[0]) if len(cap.t_ns) > 1 else 0
+    achieved = (len(cap.t_ns) - 1) * 1e9 / span if span else 0.0
+    rate = f"{cap.rate_hz:g} Hz" if cap.rate_hz else f"--rate max: {achieved:,.0f} Hz recorded"
     return {
         "banner": (
             f"capture {path.name}: its NVML samples and step events joined here, as a replay "
-            f"whose sampler kept every sample would ({cap.rate_hz:g} Hz; recorded by: "
-            f"{cap.command[:120]})"
+            f"whose sampler kept every sample would ({rate}; recorded by: {cap.command[:120]})"
         ),
         "status": "complete",
         "samplers": [

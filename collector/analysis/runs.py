@@ -236,6 +236,7 @@ class Run:
         self.root: Path | None = None  # the run directory, when read from the run store
         self.source = name  # what the user gave (a path to show in commands)
         self._store: RunStore | None = None
+        self.traces: dict[str, Any] = {}  # a capture's samples (DataFrames), by GPU
         typed = number_records(list(records))
         # checked by check_meta (a file) or made by this stepmem (a run that just ended)
         infos = (
@@ -289,7 +290,10 @@ class Run:
         return self._store
 
     def samples(self, uuid: str) -> Any:
-        """GPU ``uuid``'s NVML samples from the run store (None: none kept, or no store)."""
+        """GPU ``uuid``'s NVML samples: from the run store, or a capture's own (None: none
+        kept, or a records file)."""
+        if uuid in self.traces:
+            return self.traces[uuid]
         store = self.store
         return None if store is None else store.samples(uuid)
 
@@ -355,6 +359,14 @@ def load_run(path: str | Path) -> Run:
                 f"{len(torn)} part(s) of the probe's events cannot be read ({', '.join(torn)}); "
                 "the step records below are unaffected",
             ]
+        torn = [p for g in store.gpus() for p in store.unreadable_parts(f"samples/{g}")]
+        if torn:
+            meta["problems"] = [
+                *(meta.get("problems") or []),
+                f"{len(torn)} part(s) of the NVML samples cannot be read ({', '.join(torn[:4])}"
+                f"{', …' if len(torn) > 4 else ''}); the step records below are unaffected, the "
+                "timeline (--png, --html) cannot be drawn",
+            ]
         run = Run(path.name, meta, records)
         run.root = path
         run._store = store
@@ -370,6 +382,11 @@ def load_run(path: str | Path) -> Run:
         recs = records_from_capture(cap)
         run = Run(path.name.removesuffix(".capture.parquet"), capture_run_meta(path, cap), recs)
         run.source = str(path)
+        import pandas as pd
+
+        run.traces[str(cap.device["uuid"])] = pd.DataFrame(
+            {"t_ns": cap.t_ns, "used": cap.used, "reserved": cap.reserved}
+        )
         return run
     doc = _records_file(path)
     check_meta(doc, str(path))

@@ -172,8 +172,10 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     for flag in ("out", "png", "html"):  # every output checked before any work starts
         if getattr(ns, flag):
             outs[flag] = writable_file(getattr(ns, flag), f"--{flag}", prog, (ns.run,))
-    if (ns.png or ns.html) and not ns.run.is_dir():
-        raise UserError(f"{prog}: --png/--html need a run directory (the trace)")
+    if (ns.png or ns.html) and not (ns.run.is_dir() or ns.run.name.endswith(".capture.parquet")):
+        raise UserError(
+            f"{prog}: --png/--html need the trace: a run directory or a capture, not a records file"
+        )
     est = None
     if ns.estimate is not None:
         from collector.model.prediction import load_estimate

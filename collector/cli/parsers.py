@@ -164,10 +164,12 @@ def _baseline_parser(sub) -> None:
 
 def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="a run's per-step table and its diagnosis")
-    rp.add_argument("run", type=Path, help="run directory (runs/<id>) or records JSON")
+    rp.add_argument(
+        "run", type=Path, help="run directory (runs/<id>), records JSON (run --out) or a capture"
+    )
     rp.add_argument("--out", help="also write the report text here")
-    rp.add_argument("--png", help="write the timeline picture (run directory only)")
-    rp.add_argument("--html", help="write an interactive timeline (run directory only)")
+    rp.add_argument("--png", help="write the timeline picture (a run directory or a capture)")
+    rp.add_argument("--html", help="write an interactive timeline (a run directory or a capture)")
     rp.add_argument(
         "--all-steps",
         action="store_true",
