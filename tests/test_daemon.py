@@ -78,3 +78,37 @@ def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster,
         assert health["events_received"] == 0  # the run's steps went to the run's samplers
     finally:
         stop_daemon(echo=lambda *a: None)
+
+
+def test_stop_ends_a_running_daemon_before_it_places_them_again(ray_cluster, tmp_path):
+    """`daemon --stop` while the daemon runs: it removed the samplers and emptied the targets,
+    and the daemon put both back at its next rescan, silently. Now --stop ends the daemon
+    first (it looks every half second), then removes what it placed."""
+    import threading
+    import time
+
+    targets = tmp_path / "d.json"
+    spec = BackendSpec("replay", captures=["idle"], gpus=1)
+    said: list[str] = []
+    ended = threading.Event()
+
+    def daemon():
+        run_daemon(spec, loopback(run_id="daemon"), rescan_s=0.3, targets=targets, echo=said.append)
+        ended.set()
+
+    t = threading.Thread(target=daemon, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not list_samplers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list_samplers(), "the daemon placed nothing"
+    lines: list[str] = []
+    try:
+        assert stop_daemon(targets, echo=lines.append) == 1
+    finally:
+        stop_daemon(echo=lambda *a: None)
+    assert ended.wait(30), "the daemon kept running"
+    assert any(x.startswith("stopped the running daemon (pid ") for x in lines), lines
+    assert "stepmem daemon: stopped by `stepmem daemon --stop`" in said
+    # the daemon has ended: nothing can come back
+    assert list_samplers() == [] and json.loads(targets.read_text()) == []
