@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from typing import Any
 
 import ray
@@ -142,9 +143,46 @@ def connect_ray(address: str | None) -> None:
     address as given: Ray would otherwise swap 127.0.0.1 for the machine's outward address and
     wait for a node there that never answers. A cluster that cannot be reached, an address that
     is not one, a token the cluster wants: one line (:class:`StepmemError`)."""
-    if is_loopback_address(address or os.environ.get("RAY_ADDRESS")):
+    where = address or os.environ.get("RAY_ADDRESS")
+    if is_loopback_address(where):
         loopback_only_ray()
-    _init(address or os.environ.get("RAY_ADDRESS"), namespace="stepmem")
+    _listening(where)
+    _init(where, namespace="stepmem")
+
+
+REACH_S = 5.0  # how long a cluster's address gets to accept a connection before Ray is asked
+
+
+def _listening(address: str | None) -> None:
+    """A ``host:port`` where nothing listens (connection refused, no route, no answer within
+    :data:`REACH_S`) is said in one line at once: Ray's client would retry it for minutes.
+    Other forms (``auto``, ``ray://…``, a name Ray resolves itself) are left to Ray."""
+    import socket
+
+    if not address or "://" in address or address in ("auto", "local"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return  # Ray says what is wrong with it
+    host = host.strip("[]")
+    deadline = time.monotonic() + REACH_S
+    why = ""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except socket.gaierror as exc:
+            raise StepmemError(
+                f"cannot connect to the Ray cluster at {address}: {host!r} is not a known host "
+                f"({exc.strerror or exc})"
+            ) from None
+        except OSError as exc:  # refused: a head starting up may open it in a moment
+            why = exc.strerror or type(exc).__name__
+            time.sleep(0.25)
+    raise StepmemError(
+        f"cannot connect to the Ray cluster at {address}: nothing answers there ({why}, for "
+        f"{REACH_S:.0f} s); is its head running (`ray status --address {address}`)?"
+    )
 
 
 def _init_ray(address: str | None) -> bool:

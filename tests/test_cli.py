@@ -499,3 +499,21 @@ def test_dashboards_into_a_folder_it_cannot_write_names_the_folder(tmp_path):
     r = stepmem("dashboards", "--out", str(ro))
     assert r.returncode == 2, r.stderr
     assert "stepmem-probe" not in r.stderr and str(ro) in r.stderr, r.stderr
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_at_once(record_fault):
+    """RAY_ADDRESS=127.0.0.1:<a port nothing listens on>: Ray's client retried for over three
+    minutes; now one line after the few seconds a starting head gets."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody holds once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    res = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "run", "--no-store", "--steps", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    line = one_line_error(res, f"127.0.0.1:{port}")
+    assert "nothing answers there" in line, line
+    record_fault("bad input: RAY_ADDRESS=127.0.0.1:<a port nothing listens on>", line)
