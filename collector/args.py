@@ -69,6 +69,13 @@ def seconds(most: float):
     return parse
 
 
+def name(text: str) -> str:
+    """A name that is given must say something: ``--run-id ""`` was taken as no id at all."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a name, or leave the flag out")
+    return text
+
+
 def port(text: str) -> int:
     return int(_number(text, int, 0, 65535, "a port number"))
 

@@ -61,6 +61,7 @@ from tests.records import RECORDS
             ["--steps must be >= 1"],
         ),
         (["run", "--train-workers", "0"], ["--train-workers"]),
+        (["run", "--run-id", ""], ["--run-id", "is empty"]),
         (["run", "--train-workers", "2"], ["--train-workers needs the live NVML backend"]),
         (["run", "--script", "/nonexistent/train.py"], ["/nonexistent/train.py", "no such file"]),
         (["run", "--script", "README.md"], ["--script needs the live NVML backend"]),

@@ -71,7 +71,10 @@ def _run_parser(sub) -> None:
         help="Ray cluster address (default: RAY_ADDRESS, else a local cluster on 127.0.0.1)",
     )
     r.add_argument(
-        "--run-id", default="", help="the run label on every series (default: time-based)"
+        "--run-id",
+        type=args.name,
+        default="",
+        help="the run label on every series (default: time-based)",
     )
     r.add_argument(
         "--store",
