@@ -66,7 +66,7 @@ def _job_options(ns: argparse.Namespace, store: Path | None):  # -> JobOptions
         workload_args=ns.workload_args,
         ray_address=ns.address,
         targets=ns.targets,
-        sampler=args.sampler_options(ns, run_id=ns.run_id, workload=ns.workload_label),
+        sampler=args.sampler_options(ns, run_id=ns.run_id or "", workload=ns.workload_label),
         train_workers=ns.train_workers,
         script=ns.script,
         command=ns.run_command,
@@ -97,7 +97,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         writable_file(ns.out, "--out", "stepmem run", (*caps, ns.script))
     if ns.targets is not None:
         writable_file(ns.targets, "--targets", "stepmem run")
-    store = check_store(ns.store, ns.run_id, ns.no_store)
+    store = check_store(ns.store, ns.run_id or "", ns.no_store)
     result = run_job(_job_options(ns, store), plan=plan)
     if ns.out:
         write_output(ns.out, json.dumps(result.document(), indent=1), "--out", "stepmem run")

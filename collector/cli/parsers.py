@@ -73,7 +73,7 @@ def _run_parser(sub) -> None:
     r.add_argument(
         "--run-id",
         type=args.name,
-        default="",
+        default=None,
         help="the run label on every series (default: time-based)",
     )
     r.add_argument(
