@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import threading
 from collections import Counter
 from pathlib import Path
@@ -172,6 +173,7 @@ class RunWriter:
         self._warned = False
         if (self.root / "meta.json").exists():
             raise StoreError(f"{self.root} already holds a run; a run never overwrites another")
+        made = not self.root.exists()
         try:
             self.root.parent.mkdir(parents=True, exist_ok=True)
             self.root.mkdir(mode=0o700, exist_ok=True)
@@ -182,6 +184,8 @@ class RunWriter:
                 self.root / "meta.json", json.dumps(self.meta, indent=1, default=str).encode()
             )
         except OSError as exc:
+            if made:  # what this writer made holds no run: it must not block the run id
+                shutil.rmtree(self.root, ignore_errors=True)
             raise StoreError(
                 f"cannot create the run store at {self.root}: {exc.strerror or exc}"
             ) from None

@@ -234,3 +234,30 @@ def test_a_torn_part_of_the_samples_or_the_events_is_said_not_silent(tmp_path, r
         "cannot draw",
         steps_kept=len(run.streams[0].records),
     )
+
+
+def test_a_store_that_could_not_be_created_leaves_no_folder_to_block_its_run_id(tmp_path):
+    """ulimit -f: the run folder and its parts were made, meta.json could not be written; the
+    folder stayed and blocked the run id ('already exists'), and report called it no run. A
+    failed creation now takes back what it made — and never a folder that was there before."""
+    import resource
+
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        from collector.store import RunWriter, StoreError
+        try:
+            RunWriter({str(tmp_path / "runs" / "x")!r}, {{"run_id": "x"}})
+        except StoreError as exc:
+            print("refused:", exc)
+        """
+    )
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] != 0
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert "refused: cannot create the run store" in res.stdout, res.stdout + res.stderr
+    assert not (tmp_path / "runs" / "x").exists()
+    RunWriter(tmp_path / "runs" / "x", {"run_id": "x"}).close()  # the id is free again
+    assert RunStore(tmp_path / "runs" / "x").meta["status"] == "complete"
