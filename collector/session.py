@@ -111,9 +111,18 @@ def _ray_error(exc: BaseException, address: str | None) -> StepmemError:
         return StepmemError(
             "Ray could not start on this machine (its node timed out during startup: a full "
             "disk or /tmp, or an overloaded machine); see Ray's logs in "
-            "/tmp/ray/session_latest/logs"
+            f"{ray_logs()}"
         )
     return StepmemError(f"cannot connect to {where}: {first}")
+
+
+def ray_logs() -> str:
+    """Where this machine's Ray keeps the newest session's logs: under ``RAY_TMPDIR`` when set
+    (Ray's own rule), else the system's temp folder — not another cluster's by default."""
+    import tempfile
+
+    base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    return os.path.join(base, "ray", "session_latest", "logs")
 
 
 def _init(address: str | None, **kwargs: Any) -> None:

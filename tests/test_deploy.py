@@ -202,6 +202,9 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
         # a second up.sh is refused: it would answer its checks with this stack's servers
         again = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 1 and "already up" in again.stderr, again.stderr
+        # the hint names the folder down.sh needs (a bare down.sh finds no stack there)
+        hint = f"STEPMEM_LOCAL_DIR={tmp_path / 'local'} deploy/local/down.sh"
+        assert hint in again.stderr and f"Stop everything: {hint}" in r.stdout
         # the printed submit command works as printed, from a shell without the venv on PATH
         lines = r.stdout.splitlines()
         start = next(i for i, ln in enumerate(lines) if ln.startswith("Submit a run")) + 1
@@ -276,4 +279,46 @@ def test_a_local_stack_that_does_not_come_up_is_stopped_again(tmp_path, record_f
         "deploy/local/up.sh when Ray never answers",
         f"'{r.stdout.strip().splitlines()[-1]}', exit 1; Prometheus and Alertmanager it had "
         "started are stopped, their ports free",
+    )
+
+
+@pytest.mark.ray
+def test_a_head_that_exits_at_once_is_seen_at_once_and_worker_ports_are_refused(
+    tmp_path, record_fault
+):
+    """A Ray head that died at start (its agent port inside Ray's worker-port range) made up.sh
+    wait its whole timeout and say 'Ray did not start'; now such a port is refused before
+    anything starts, and a head that exits is seen at once, with the end of its log. down.sh
+    without the stack's STEPMEM_LOCAL_DIR said nothing and stopped nothing; now it says so, and
+    up.sh's hints carry the folder."""
+    import subprocess
+    import time
+
+    from tests.prom import free_port
+
+    up, down = ROOT / "deploy" / "local" / "up.sh", ROOT / "deploy" / "local" / "down.sh"
+    ports = {k: free_port() for k in ("RAY", "DASHBOARD", "PROM", "AM")}
+    r = subprocess.run([str(up)], env=_stack_env(tmp_path, {**ports, "AGENT": 15365}),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and "port 15365 lies in Ray's worker-port range" in r.stderr
+    assert not list((tmp_path / "local").glob("*.pid"))
+    _require_stack_binaries()
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text("#!/bin/sh\necho 'ValueError: Ray component worker_ports ...'\nexit 1\n")
+    fake_ray.chmod(0o755)
+    env = _stack_env(tmp_path, {**ports, "AGENT": free_port()}, RAY_BIN=str(fake_ray))
+    t0 = time.monotonic()
+    r = subprocess.run([str(up)], env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and "Ray's head exited at once" in r.stdout, r.stdout + r.stderr
+    assert "ValueError: Ray component worker_ports" in r.stdout
+    assert not list((tmp_path / "local").glob("*.pid"))
+    nothing = subprocess.run([str(down)], env={**env, "STEPMEM_LOCAL_DIR": str(tmp_path / "x")},
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "no stack found in" in nothing.stderr and "STEPMEM_LOCAL_DIR" in nothing.stderr
+    record_fault(
+        "deploy/local/up.sh whose Ray head exits at once (or a port in Ray's worker range)",
+        "a worker-range port refused before anything starts; a head that exits seen at once "
+        "with the end of its log (it waited the whole timeout), exit 1, the rest stopped",
+        seconds_to_answer=round(took, 1),
     )

@@ -6,9 +6,11 @@ dir=${STEPMEM_LOCAL_DIR:-/tmp/stepmem-local}
 # (some containers) leaves an exited child as a zombie that `kill -0` still finds
 alive() { kill -0 "$1" 2>/dev/null && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]; }
 session_alive() { ps -s "$1" -o stat= 2>/dev/null | grep -qv '^Z'; }  # any of session $1 running
+found=0
 for name in ray prometheus alertmanager; do
   pidfile="$dir/$name.pid"
   [ -f "$pidfile" ] || continue
+  found=1
   pid=$(cat "$pidfile")
   if [ "$name" = ray ]; then
     # The head runs in a session of its own (setsid): Ctrl-C to it, `ray start --block` stops
@@ -30,3 +32,7 @@ if [ -f "$dir/ray.address" ] && [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/nul
   rm -f /tmp/ray/ray_current_cluster
 fi
 rm -f "$dir/ray.address"
+if [ "$found" = 0 ]; then
+  echo "no stack found in $dir (nothing stopped): a stack up.sh started with STEPMEM_LOCAL_DIR" \
+       "set needs the same STEPMEM_LOCAL_DIR here" >&2
+fi

@@ -4,9 +4,12 @@
 #   deploy/local/up.sh            # then submit jobs (printed below); deploy/local/down.sh stops all
 # Ports and the state folder can be moved with STEPMEM_LOCAL_DIR, STEPMEM_RAY_PORT,
 # STEPMEM_DASHBOARD_PORT, STEPMEM_AGENT_PORT (the head's job agent), STEPMEM_PROM_PORT,
-# STEPMEM_AM_PORT; STEPMEM_UP_TIMEOUT_S bounds each readiness wait (60 s). A stack that is
-# already up, or a port another program holds, is refused before anything starts; if anything
-# does not come up, what was started is stopped again.
+# STEPMEM_AM_PORT; STEPMEM_RAY_TEMP_DIR puts the head's session (logs, sockets) there instead
+# of Ray's default folder shared with every other Ray on the machine (keep it short: Ray's socket
+# paths must fit 107 characters); STEPMEM_UP_TIMEOUT_S bounds each readiness wait (60 s). A stack
+# that is already up, a port another program holds or one inside Ray's worker-port range is
+# refused before anything starts; if anything does not come up (a head that exits at once is
+# seen at once), what was started is stopped again.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${STEPMEM_LOCAL_DIR:-/tmp/stepmem-local}
@@ -21,14 +24,18 @@ ray_bin=${RAY_BIN:-$([ -x "$venv/ray" ] && echo "$venv/ray" || command -v ray ||
 py_bin=$([ -x "$venv/python" ] && echo "$venv/python" || command -v python3)
 # Debian names the Alertmanager binary prometheus-alertmanager
 alertmanager=$(command -v alertmanager || command -v prometheus-alertmanager || echo alertmanager)
+ray_temp=${STEPMEM_RAY_TEMP_DIR:-}
 mkdir -p "$dir" "$root/deploy/prometheus/targets"
+# how to reach this stack again: down.sh needs the folder when it is not the default
+if [ "$dir" = /tmp/stepmem-local ]; then down_cmd="deploy/local/down.sh"
+else down_cmd="STEPMEM_LOCAL_DIR=$dir deploy/local/down.sh"; fi
 
 # Refuse a second stack (its readiness checks would be answered by the first, and down.sh
 # would then stop the wrong one) and ports held by anything else, before starting anything.
 for name in ray prometheus alertmanager; do
   pid=$(cat "$dir/$name.pid" 2>/dev/null || true)
   if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-    echo "a stack is already up in $dir ($name pid $pid); deploy/local/down.sh stops it" >&2
+    echo "a stack is already up in $dir ($name pid $pid); $down_cmd stops it" >&2
     exit 1
   fi
 done
@@ -42,6 +49,16 @@ for port in map(int, sys.argv[1:]):
             print(port)
 PY
 )
+# Ray gives its workers ports 10002-19999 by default and refuses a component port among them,
+# after its head has started (up.sh then waited for it in vain)
+for port in "$ray_port" "$dash_port" "$agent_port"; do
+  if [ "$port" -ge 10002 ] && [ "$port" -le 19999 ]; then
+    echo "port $port lies in Ray's worker-port range (10002-19999), which Ray keeps for its" \
+         "workers; give STEPMEM_RAY_PORT, STEPMEM_DASHBOARD_PORT and STEPMEM_AGENT_PORT ports" \
+         "outside it" >&2
+    exit 1
+  fi
+done
 if [ -n "$busy" ]; then
   echo "port(s) $(echo $busy) on 127.0.0.1 are in use by another program; stop it or move this" \
        "stack (STEPMEM_RAY_PORT, STEPMEM_DASHBOARD_PORT, STEPMEM_AGENT_PORT, STEPMEM_PROM_PORT," \
@@ -67,7 +84,7 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT
   setsid python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL)
 os.execvp(sys.argv[1], sys.argv[1:])' "$ray_bin" start --head --block --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 \
   --port="$ray_port" --dashboard-port="$dash_port" --dashboard-agent-listen-port="$agent_port" \
-  --disable-usage-stats > "$dir/ray.log" 2>&1 &
+  ${ray_temp:+--temp-dir="$ray_temp"} --disable-usage-stats > "$dir/ray.log" 2>&1 &
 echo $! > "$dir/ray.pid"
 echo "127.0.0.1:$ray_port" > "$dir/ray.address"
 
@@ -80,10 +97,23 @@ trap '[ "$up" = 1 ] || STEPMEM_LOCAL_DIR="$dir" "$root/deploy/local/down.sh" >/d
 # ~/.ray/auth_token): the dashboard then answers 401 without "Authorization: Bearer <token>".
 # Ray's CLI finds the token itself (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, else
 # ~/.ray/auth_token); so does this check.
-ready() {  # up to STEPMEM_UP_TIMEOUT_S (60 s); exit 3 when the server answers but refuses our credentials
-  "$py_bin" - "$1" "${STEPMEM_UP_TIMEOUT_S:-60}" <<'PY'
+ready() {  # up to STEPMEM_UP_TIMEOUT_S (60 s); exit 3 when the server answers but refuses our
+  # credentials, 4 when the process that should answer ($2, a pid) has exited
+  "$py_bin" - "$1" "${STEPMEM_UP_TIMEOUT_S:-60}" "${2:-0}" <<'PY'
 import os, sys, time, urllib.error, urllib.request
 from pathlib import Path
+
+def exited(pid):
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie (an init that does not reap) has exited too
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 def token():
     if os.environ.get("RAY_AUTH_TOKEN"):
@@ -94,6 +124,8 @@ def token():
 refused = False
 deadline = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
+    if exited(int(sys.argv[3])):
+        sys.exit(4)
     req = urllib.request.Request(sys.argv[1])
     if token():  # read each time: a new head writes its token as it starts
         req.add_header("Authorization", f"Bearer {token()}")
@@ -108,13 +140,17 @@ while time.monotonic() < deadline:
 sys.exit(3 if refused else 1)
 PY
 }
-ready "http://127.0.0.1:$prom_port/-/ready" || { echo "Prometheus did not start: $dir/prometheus.log"; exit 1; }
-ready "http://127.0.0.1:$am_port/-/ready" || { echo "Alertmanager did not start: $dir/alertmanager.log"; exit 1; }
-rc=0; ready "http://127.0.0.1:$dash_port/api/version" || rc=$?
+ready "http://127.0.0.1:$prom_port/-/ready" "$(cat "$dir/prometheus.pid")" || { echo "Prometheus did not start: $dir/prometheus.log"; exit 1; }
+ready "http://127.0.0.1:$am_port/-/ready" "$(cat "$dir/alertmanager.pid")" || { echo "Alertmanager did not start: $dir/alertmanager.log"; exit 1; }
+rc=0; ready "http://127.0.0.1:$dash_port/api/version" "$(cat "$dir/ray.pid")" || rc=$?
 if [ "$rc" = 3 ]; then
   echo "Ray started with token authentication but its token was not found (RAY_AUTH_TOKEN," \
        "RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); stopped it. Set RAY_AUTH_MODE=disabled for a" \
        "loopback-only stack, or put the token where Ray looks: $dir/ray.log"
+  exit 1
+elif [ "$rc" = 4 ]; then
+  echo "Ray's head exited at once; the end of $dir/ray.log:"
+  tail -n 5 "$dir/ray.log" | cut -c1-300
   exit 1
 elif [ "$rc" != 0 ]; then
   echo "Ray did not start: $dir/ray.log"
@@ -122,7 +158,7 @@ elif [ "$rc" != 0 ]; then
 fi
 # The head takes jobs through its agent, which starts a little after the dashboard; when the
 # agent cannot bind its port it stays up without it, and every submit fails with a 500.
-ready "http://127.0.0.1:$agent_port/api/local_raylet_healthz" || {
+ready "http://127.0.0.1:$agent_port/api/local_raylet_healthz" "$(cat "$dir/ray.pid")" || {
   echo "Ray's job agent did not come up on 127.0.0.1:$agent_port (jobs could not be" \
        "submitted): $dir/ray.log and the head's dashboard_agent log"
   exit 1
@@ -148,5 +184,5 @@ Submit a run (replay without a GPU, the real workload with one), from $root:
       --targets $root/deploy/prometheus/targets/stepmem.json \\
       --remote-write http://127.0.0.1:$prom_port/api/v1/write
 Grafana: mount grafana/provisioning/* under /etc/grafana/provisioning/ and grafana/dashboards/
-at /var/lib/grafana/dashboards/stepmem (see the README). Stop everything: deploy/local/down.sh
+at /var/lib/grafana/dashboards/stepmem (see the README). Stop everything: $down_cmd
 MSG
