@@ -246,7 +246,8 @@ def test_a_store_that_could_not_be_created_leaves_no_folder_to_block_its_run_id(
         f"""
         import resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
         from collector.store import RunWriter, StoreError
         try:
             RunWriter({str(tmp_path / "runs" / "x")!r}, {{"run_id": "x"}})
