@@ -225,7 +225,11 @@ def _compare_parser(sub) -> None:
 
 def _dashboards_parser(sub) -> None:
     g = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
-    g.add_argument("--out", default="grafana/dashboards", help="folder for the JSON files")
+    g.add_argument(
+        "--out",
+        default="grafana/dashboards",
+        help="folder for the JSON files (default: grafana/dashboards under the current folder)",
+    )
 
 
 ESTIMATE_EPILOG = """\

@@ -195,11 +195,12 @@ class Outbox:
                     self.dropped["spool_failed"] += len(batch)
                 return
             if not self.dropped["no_sampler"]:  # said once; every one is counted
+                what = "this CPU-only process" if uuid == "cpu" else f"GPU {uuid}"
                 log.warning(
-                    "stepmem: no sampler for GPU %s reachable from this process (no stepmem run "
-                    "or daemon here, or no Ray connection and no spool folder): its step events "
-                    "are counted as unsent; training goes on",
-                    uuid,
+                    "stepmem: no sampler for %s reachable (no stepmem run or daemon here, or no "
+                    "Ray connection and no spool folder): its step events are counted as "
+                    "unsent; training goes on",
+                    what,
                 )
             self.dropped["no_sampler"] += len(batch)
             return

@@ -179,7 +179,8 @@ stepmem local stack up (state in $dir):
   Alertmanager   http://127.0.0.1:$am_port
   Ray token auth $auth
 Submit a run (replay without a GPU, the real workload with one), from $root:
-  ${submit_env}$ray_bin job submit --address http://127.0.0.1:$dash_port --working-dir . -- \\
+  ${submit_env}$ray_bin job submit --address http://127.0.0.1:$dash_port --working-dir . \\
+      --runtime-env-json '{"excludes": ["benchmarks/results"]}' -- \\
       $py_bin -m collector.job \\
       --targets $root/deploy/prometheus/targets/stepmem.json \\
       --remote-write http://127.0.0.1:$prom_port/api/v1/write
