@@ -312,6 +312,14 @@ def test_reconciliation_of_the_seed_runs(optim, managed_gib):
     )
     assert r.returncode == 0, r.stderr
     assert "Predicted vs measured" in r.stdout and "step 2 allocated peak" in r.stdout
+    if optim.startswith("paged"):
+        # the unpaged estimate against the paged run: a measured +0.19 GiB is not explained by
+        # the 13.48 GiB of device state the estimate expected (it was, word for word)
+        other = load_estimate(RESULTS / "cpu-7b-adamw_8bit.estimate.json")
+        _, named = reconcile(other, recs)
+        (jump,) = [x for x in named if x.startswith("Step 1 → step 2")]
+        assert "measured, +13.48 GiB predicted: the estimate expects optimizer state" in jump
+        assert "GiB less (state kept off torch's allocator" in jump, jump
 
 
 def test_every_category_is_known_to_the_json_form():

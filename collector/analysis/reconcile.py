@@ -115,6 +115,10 @@ def _rest(est: Estimate, steady: StepRecord) -> tuple[Row | None, str | None]:
     )
 
 
+JUMP_AGREE = 0.10  # a measured jump within 10 % (or 256 MiB) of the predicted one is explained
+JUMP_AGREE_BYTES = 256 << 20
+
+
 def _jump(est: Estimate, first: StepRecord, steady: StepRecord) -> str | None:
     """Step 1 → step 2: the peak the optimizer state (and kept gradients) added."""
     alloc_peak = steady.torch_allocated_peak_bytes
@@ -129,10 +133,25 @@ def _jump(est: Estimate, first: StepRecord, steady: StepRecord) -> str | None:
     what = f"optimizer state ({gib_figure(state)} GiB on the device)" + (
         f" and the gradients kept from step 1 ({gib_figure(kept)} GiB)" if kept else ""
     )
-    return (
+    head = (
         f"Step 1 → step {steady.step}: allocated peak +{gib_figure(jump_m)} GiB measured, "
-        f"+{gib_figure(jump_p)} GiB predicted: {what} — made after step 1's forward/backward, "
-        "resident in every later step's forward and backward."
+        f"+{gib_figure(jump_p)} GiB predicted"
+    )
+    if abs(jump_m - jump_p) <= max(JUMP_AGREE * max(jump_p, 0), JUMP_AGREE_BYTES):
+        return (
+            f"{head}: {what} — made after step 1's forward/backward, resident in every later "
+            "step's forward and backward."
+        )
+    # the predicted cause does not explain what was measured: say both, blame neither
+    if jump_m < jump_p:
+        return (
+            f"{head}: the estimate expects {what} after step 1; the run added "
+            f"{gib_figure(jump_p - jump_m)} GiB less (state kept off torch's allocator — a "
+            "paged optimizer's managed memory — or another optimizer than estimated?)."
+        )
+    return (
+        f"{head}: the run added {gib_figure(jump_m - jump_p)} GiB more than the estimate's "
+        f"{what} (another optimizer, or a step 2 that allocates more than step 1?)."
     )
 
 
