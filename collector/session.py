@@ -206,6 +206,10 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
+TASK_EVENTS_ENV = "RAY_task_events_max_num_task_in_gcs"
+LOCAL_TASK_EVENTS = 10_000  # the local cluster's GCS keeps at most this many tasks' events
+
+
 def start_local_ray(**options: Any) -> None:
     """Start a single-machine Ray cluster of this process's own, on 127.0.0.1 only (the job
     without a cluster, the benchmarks). ``options`` go to ``ray.init``. Its processes go with
@@ -213,6 +217,9 @@ def start_local_ray(**options: Any) -> None:
     import collector.reaper as reaper
 
     loopback_only_ray()
+    # Ray's GCS keeps every task's events for its dashboard, up to 100,000 (a replay's step
+    # events are actor calls: GCS grew 44 -> 77 MB over 40,000); nobody reads this cluster's
+    os.environ.setdefault(TASK_EVENTS_ENV, str(LOCAL_TASK_EVENTS))
     reaper.guard()
     _init(
         # "local": a new cluster of our own, never one that /tmp/ray/ray_current_cluster names
