@@ -25,6 +25,43 @@ MARKER = "fault"
 FIGURE_KEYS_SKIP = {"fault", "outcome", "test"}
 
 
+# Findings of the trials (../shared/findings) answered here rather than fixed: each with why.
+ANSWERED = [
+    (
+        "`--address` of a cluster with token auth, no RAY_AUTH_MODE: about 20 s of Ray's "
+        "warnings before the one-line answer (new-user trial N8; second tester N20)",
+        "Ray's own client retries the GCS it cannot authenticate to before it raises; stepmem "
+        "sees no answer before that. The final line names the fix (RAY_AUTH_MODE=token). Not "
+        "fixed: telling a cluster that wants a token from one that is slow needs a GCS call "
+        "of stepmem's own, which Ray does not offer.",
+    ),
+    (
+        "GCS memory grows with the step events a replay sends (adversarial L6: 44 → 77 MB "
+        "over 40,000 events)",
+        "Ray's GCS keeps every task's events for its dashboard, up to 100,000 by default, and "
+        "evicts beyond: the growth is bounded, not a leak. The local cluster stepmem starts now "
+        "keeps at most 10,000 (RAY_task_events_max_num_task_in_gcs); a user's own cluster "
+        "keeps its own setting. Not re-measured after the change.",
+    ),
+    (
+        "`estimate --config` of a BERT config runs it as BertLMHeadModel with transformers' "
+        "'add is_decoder=True' warning (second tester N20)",
+        "Transformers maps BERT to a causal-LM head itself, so the estimate is of that "
+        "decoder; the warning is transformers' own. Left as is: refusing encoders by name "
+        "would refuse the encoder-decoder configs that do train as causal LMs.",
+    ),
+    (
+        "The FSDP2 estimate's step-1 optimizer-step temporaries barely shrink with sharding "
+        "(second tester N5)",
+        "Fixed by issue #29 (the optimizer's step works on the local shard): `stepmem estimate "
+        "--workload distributed --shard fsdp2 --size 1b --seq-len 1024` now gives step-1 "
+        "temporaries of 4.10 GiB at world size 1 and none listed at 8 (step 1 8.22 GiB, "
+        "below step 2's 9.75, which the headline names); the 1B FSDP2 row of "
+        "benchmarks/results/fit/fit.md is within 2 % of the H200.",
+    ),
+]
+
+
 def figures(row: dict) -> str:
     return ", ".join(
         f"{k.replace('_', ' ')} {v}" for k, v in row.items() if k not in FIGURE_KEYS_SKIP
@@ -73,6 +110,9 @@ def render(rows: list[dict], long_run: dict | None, big_run: dict | None = None)
     out += ["", "| bad input | what the user sees (exit 2) |", "| --- | --- |"]
     for r in bad:
         out.append(f"| `{r['fault'].removeprefix('bad input: ')}` | {r['outcome']} |")
+    out += ["", "| finding answered, not fixed | why |", "| --- | --- |"]
+    for finding, why in ANSWERED:
+        out.append(f"| {finding} | {why} |")
     return "\n".join(out) + "\n"
 
 
