@@ -649,3 +649,30 @@ def test_a_capture_reports_the_rate_it_was_recorded_at_and_draws_its_timeline(tm
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 2 and "a run directory or a capture" in res.stderr
+
+
+def test_a_timeline_legend_names_only_what_it_draws():
+    """A run whose steps have no NVML sample (a replay at --speed 1e9): its legend listed the
+    NVML peak, the end reading and the trace, none of them drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from collector.analysis.timeline import _draw_readings
+
+    steps = [
+        {"step": k, "begin": k, "end": k + 0.5, "peak_t": k + 0.5, "nvml_peak": None,
+         "nvml_end": None, "reserved_end": 80.0}
+        for k in (1, 2)
+    ]  # fmt: skip
+    fig, ax = plt.subplots()
+    _draw_readings(ax, steps)
+    labels = ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert labels == ["torch reserved at step end + context"], labels
+    steps[0].update(nvml_peak=81.0, nvml_end=80.5)
+    fig, ax = plt.subplots()
+    _draw_readings(ax, steps)
+    assert {"NVML within-step peak", "NVML at step end"} <= set(ax.get_legend_handles_labels()[1])
+    plt.close(fig)

@@ -202,7 +202,7 @@ def _draw_readings(
         color="crimson",
         lw=1.6,
         zorder=3,
-        label="NVML within-step peak",
+        label="NVML within-step peak" if measured else None,  # the legend names what is drawn
     )
     ax.scatter(
         [s["peak_t"] for s in measured],
@@ -220,7 +220,7 @@ def _draw_readings(
         s=18,
         color="#1f5fbf",
         zorder=4,
-        label="NVML at step end",
+        label="NVML at step end" if ended else None,
     )
     re = [(s["end"], s["reserved_end"]) for s in steps if s["reserved_end"]]
     if re:
@@ -310,13 +310,27 @@ def render_png(run: Run, out: str | Path) -> Path:
         steps = p["steps"]
         _draw_steps(ax, steps)
         _draw_stacks(ax, steps)
-        ax.plot(t, used, lw=0.7, color="#333333", label="NVML used (full rate)", zorder=2)
+        shown = any(x0 <= x <= x1 for x in t)
+        label = "NVML used (full rate)" if shown else None
+        ax.plot(t, used, lw=0.7, color="#333333", label=label, zorder=2)
         measured, re = _draw_readings(ax, steps)
+        if steps and not measured:
+            ax.text(
+                0.01,
+                0.97,
+                "no NVML sample inside any of these steps: their NVML figures are unknown",
+                transform=ax.transAxes,
+                ha="left",
+                va="top",
+                fontsize=8,
+                color="#aa0000",
+            )
         _draw_notes(ax, p, steps, measured)
         values = [*used, *(s["nvml_peak"] for s in measured), *(v for _, v in re)]
         values += [sum(s["ledger"].values()) for s in steps]
         _scale(ax, p, values, max((s["nvml_peak"] for s in measured), default=0))
         ax.set_xlim(x0, x1)
+        ax.ticklabel_format(axis="x", useOffset=False)  # not "1e-8 + 4.98e-1"
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("seconds since the first sample")
         ax.set_ylabel("GiB")
