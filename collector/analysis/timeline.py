@@ -172,6 +172,9 @@ def _draw_stacks(ax: Any, steps: list[dict[str, Any]]) -> None:
         bottom = tops
 
 
+STACK_SHOWN_GIB = 0.01  # a stack under 10 MiB at every step is not drawn (nor in the legend)
+
+
 def _stacks(steps: list[dict[str, Any]]) -> list[tuple[str, str, list[float]]]:
     """(name, colour, value at each step end) of every stack the run has: the accounting's
     components when per-process readings split NVML used, else the ledger's kinds; a kind
@@ -183,7 +186,7 @@ def _stacks(steps: list[dict[str, Any]]) -> list[tuple[str, str, list[float]]]:
             vals = [max(0.0, s["account"].get(kind, 0.0)) for s in steps]
         else:
             vals = [s["ledger"][kind] for s in steps]
-        if any(vals):
+        if max(map(abs, vals), default=0.0) >= STACK_SHOWN_GIB:
             out.append((str(kind) if split else f"ledger: {kind.words}", color, vals))
     return out
 
@@ -379,6 +382,7 @@ def _html_panel(fig: Any, row: int, p: dict[str, Any], legend: Any) -> None:
 
     x0, x1, t, used = _view(p)
     steps = p["steps"]
+    every = max(1, len(steps) // 25)  # step numbers as on the PNG: at most ~25
     for k, s in enumerate(steps):
         fig.add_vrect(
             x0=s["begin"],
@@ -390,6 +394,16 @@ def _html_panel(fig: Any, row: int, p: dict[str, Any], legend: Any) -> None:
             row=row,
             col=1,
         )
+        if k % every == 0:
+            fig.add_annotation(
+                text=str(s["step"]),
+                x=(s["begin"] + s["end"]) / 2,
+                xref=f"x{row if row > 1 else ''}",
+                yref=f"y{row if row > 1 else ''} domain",
+                y=0.01,
+                showarrow=False,
+                font={"color": "#777777", "size": 9},
+            )
     ends = [s["end"] for s in steps]
     for name, color, vals in _stacks(steps):
         fig.add_trace(
