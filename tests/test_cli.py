@@ -481,7 +481,7 @@ def test_ray_that_cannot_start_is_one_line_not_a_bug(record_fault):
         capture_output=True, text=True, timeout=300, preexec_fn=small_files,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    (line,) = [x for x in r.stderr.splitlines() if x.startswith("stepmem: error:")]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("stepmem run:")]
     assert "Ray could not start its head" in line and "bug" not in r.stderr
     record_fault("Ray cannot start its head (ulimit -f 8 KiB)", line[:160], exit_code=2)
 
@@ -518,3 +518,15 @@ def test_a_ray_address_where_nothing_listens_is_one_line_at_once(record_fault):
     line = one_line_error(res, f"127.0.0.1:{port}")
     assert "nothing answers there" in line, line
     record_fault("bad input: RAY_ADDRESS=127.0.0.1:<a port nothing listens on>", line)
+
+
+def test_every_command_leads_its_errors_with_its_name():
+    """`stepmem estimate:` here and `stepmem: error:` there: one prefix, the command's."""
+    for argv, prefix in (
+        (["report", "/nonexistent/run"], "stepmem report: "),
+        (["compare", "/nonexistent/a", "/nonexistent/b"], "stepmem compare: "),
+        (["baseline", "/nonexistent/a", "--out", "/nonexistent/b.yml"], "stepmem baseline: "),
+        (["estimate", "--config", "/nonexistent.json"], "stepmem estimate: "),
+    ):
+        res = stepmem(*argv)
+        assert one_line_error(res).startswith(prefix), (argv, res.stderr)

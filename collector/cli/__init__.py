@@ -20,23 +20,28 @@ __all__ = ["EXIT_BUG", "main"]
 EXIT_BUG = 70  # EX_SOFTWARE: an internal error, not the user's
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, command: str | None = None) -> str:
     """A user error's message, also when it crossed a Ray call (``RayTaskError`` carries the
-    original as ``cause`` and a traceback in its text)."""
+    original as ``cause`` and a traceback in its text), led by the command as every command's
+    own checks lead (``stepmem report: …``)."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, StepmemError):
         exc = cause
-    text = str(exc).strip().splitlines() or [type(exc).__name__]
-    return text[0] if isinstance(exc, UserError) else f"stepmem: error: {text[0]}"
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, UserError) or text.startswith("stepmem"):
+        return text
+    return f"stepmem {command}: {text}" if command else f"stepmem: {text}"
 
 
 def main(argv: list[str] | None = None) -> int:
+    command = None
     try:
         from collector.cli.commands import COMMANDS
         from collector.cli.parsers import build_parser
 
         parser = build_parser()
         ns = parser.parse_args(argv)
+        command = ns.command
         if ns.command is None:  # a bare `stepmem`: what it can do
             parser.print_help()
             return 2
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return COMMANDS[ns.command](ns)
     except StepmemError as exc:
-        print(_one_line(exc), file=sys.stderr)
+        print(_one_line(exc, command), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stepmem: interrupted", file=sys.stderr)
