@@ -65,6 +65,16 @@ def _run_parser(sub) -> None:
         "it starts with a stepmem probe reports to this run (with the replay backend, as CPU "
         "stand-ins for the replayed GPUs)",
     )
+    _run_outputs(r)
+    args.add_metrics(r)
+    args.add_remote_write(r)
+    r.add_argument(
+        "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
+    )
+
+
+def _run_outputs(r) -> None:
+    """Where a run goes and what it is called: its records, its cluster, its store, its labels."""
     r.add_argument("--out", type=Path, help="write step records (JSON) here")
     r.add_argument(
         "--address",
@@ -97,11 +107,6 @@ def _run_parser(sub) -> None:
         type=Path,
         metavar="FILE",
         help="keep a Prometheus file_sd targets file current while the job runs",
-    )
-    args.add_metrics(r)
-    args.add_remote_write(r)
-    r.add_argument(
-        "workload_args", nargs=argparse.REMAINDER, help="after '--': arguments for the workload"
     )
 
 
