@@ -46,10 +46,6 @@ def _error_of(end: StepEvent) -> str:
     return end.phase.removeprefix(ERROR_PREFIX) if end.phase.startswith(ERROR_PREFIX) else ""
 
 
-def _empty(w: SampleWindow) -> SampleWindow:
-    return SampleWindow(w.t_ns[:0], w.used[:0], w.reserved[:0])
-
-
 def _reading_at_mark(ring: RingBuffer, t_ns: int, window_ns: int) -> tuple[int, int, int] | None:
     """The device at a step mark: the lower of the last sample at or before the mark and the
     first one after it, when that came within ``window_ns`` (the sampler's mark window). Memory
@@ -243,13 +239,16 @@ class StepJoiner:
             flags.append(Gap.STALE_END)
         return " ".join(flags)
 
+    def _window(self, t0: int, t1: int) -> SampleWindow:
+        """The samples between two marks; none for CPU stand-ins (a capture beside them: none
+        of its samples are theirs)."""
+        w = self.sampler.ring.window(t0, t1)
+        return SampleWindow(w.t_ns[:0], w.used[:0], w.reserved[:0]) if self.stand_in else w
+
     def join(self, begin: StepEvent, end: StepEvent, phases: list[StepEvent]) -> StepRecord:
         ring, sampler = self.sampler.ring, self.sampler
-        w = ring.window(begin.t_ns, end.t_ns)
-        if self.stand_in:  # a capture beside CPU processes: none of its samples are theirs
-            w, gap = _empty(w), Gap.STAND_IN
-        else:
-            gap = self._gap(begin, end, w)
+        w = self._window(begin.t_ns, end.t_ns)
+        gap = Gap.STAND_IN if self.stand_in else self._gap(begin, end, w)
         at_end = _reading_at_mark(ring, end.t_ns, sampler.mark_window_ns)
         at_begin = _reading_at_mark(ring, begin.t_ns, sampler.mark_window_ns)
         # A step without samples has no NVML figures (None, never 0 bytes), its end reading
@@ -300,9 +299,7 @@ class StepJoiner:
         ring, gap = self.sampler.ring, self.sampler.mark_window_ns
         out = []
         for (opener, name), closer in zip(starts, closers, strict=True):
-            w = ring.window(opener.t_ns, closer.t_ns)
-            if self.stand_in:
-                w = _empty(w)
+            w = self._window(opener.t_ns, closer.t_ns)
             k = int(np.argmax(w.used)) if len(w) else None
             at = _reading_at_mark(ring, opener.t_ns, gap) if len(w) else None
             out.append(

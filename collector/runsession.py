@@ -137,13 +137,14 @@ class RunSession:
     def _restarted(self, p: PlacedSampler) -> None:
         """Ray restarted sampler ``p``: a replay plays on from the run's alignment (the new
         actor holds its reads until then)."""
-        if isinstance(self.runner, ReplayRunner):
-            origin, loop = self.runner.origin_ns, False
-        else:
-            origin, loop = self._stand_in_origin, True
+        stand_in = not isinstance(self.runner, ReplayRunner)  # CPU processes bring the steps
+        origin = self._stand_in_origin if stand_in else self.runner.origin_ns
         if origin is not None and self.spec.kind == "replay":
-            try:
-                ray.get(p.handle.replay_from.remote(origin, loop=loop, stand_in=loop), timeout=30)
+            try:  # a replay's own steps play once; stand-ins' capture loops beside them
+                ray.get(
+                    p.handle.replay_from.remote(origin, loop=stand_in, stand_in=stand_in),
+                    timeout=30,
+                )
             except Exception as exc:
                 log.warning("sampler %s could not be re-aligned: %s", p.name, _first_line(exc))
 

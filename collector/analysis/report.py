@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from collector.analysis.diagnosis import Finding, FindingKind, diagnose, steps_text, verdict
 from collector.analysis.diagnosis.fleet import Ranked, imbalance
-from collector.analysis.runs import Run, Stream
+from collector.analysis.runs import Run, Stream, replay_speed
 from collector.model.kinds import MemoryKind
 from collector.model.records import SamplerInfo
 from collector.model.step import StepRecord
@@ -536,9 +536,9 @@ def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
     reachable = target if isinstance(target, int | float) else 0
     if coarse and reachable:
         reachable = min(reachable, 1e9 / coarse)
-    speed = meta.get("replay_speed")
-    fast = isinstance(speed, int | float) and not isinstance(speed, bool) and speed > 1
-    if reachable and min(rates) < 0.5 * reachable and fast and speed >= 10:
+    speed = replay_speed(meta)
+    fast = speed > 1
+    if reachable and min(rates) < 0.5 * reachable and speed >= 10:
         line += (
             f" — the replay ran at {speed:g}x and was over before the samplers came up to "
             "speed (not a want of CPU)"

@@ -162,6 +162,15 @@ def number_records(records: list[StepRecord]) -> list[StepRecord]:
     return out
 
 
+def replay_speed(meta: dict[str, Any]) -> float:
+    """The speed a run's steps were replayed at (``replay_speed`` in its meta, a number in
+    1e-6..1e12), else 1."""
+    v = meta.get("replay_speed")
+    if isinstance(v, int | float) and not isinstance(v, bool) and 1e-6 <= v <= 1e12:
+        return float(v)
+    return 1.0
+
+
 MAX_LOST_LISTED = 1_000  # runs of lost sequence numbers a stream lists
 
 
@@ -306,10 +315,7 @@ class Run:
         """A replay's speed: its steps took 1/N of the recorded run's time, and the findings
         give times inside a step as the recorded run's (1: a live run, a stand-in, a store
         written before runs said)."""
-        v = self.meta.get("replay_speed")
-        if isinstance(v, int | float) and not isinstance(v, bool) and 1e-6 <= v <= 1e12:
-            return float(v)
-        return 1.0
+        return replay_speed(self.meta)
 
     @property
     def workload_summary(self) -> dict[str, Any]:
