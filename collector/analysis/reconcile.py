@@ -296,9 +296,14 @@ def _outside(est: Estimate, acc: Account, step: int) -> list[Row]:
     return rows
 
 
-def _what(spec: dict) -> str:
-    model = spec.get("size") or (spec.get("config") or {}).get("model_type") or "a config"
-    return f"{model}, {spec.get('optim')}, batch {spec.get('batch')} × {spec.get('seq_len')} tokens"
+def _what(est: Estimate) -> str:
+    spec = est.spec
+    if est.script:
+        return f"{est.subject}, {spec.get('optim')}"
+    return (
+        f"{est.subject}, {spec.get('optim')}, batch {spec.get('batch')} × {spec.get('seq_len')} "
+        "tokens"
+    )
 
 
 def _mismatches(rows: list[Row]) -> list[str]:
@@ -328,7 +333,7 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
     other = _mismatches(rows)
     if other:  # another model or optimizer: say that first, and blame no kernel for it
         named.append(
-            f"This estimate is of {_what(est.spec)}; the run's parameters or optimizer state do "
+            f"This estimate is of {_what(est)}; the run's parameters or optimizer state do "
             "not match it, so the differences below are between two different trainings"
         )
     rest, off = _rest(est, steady)
@@ -354,8 +359,7 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
 
 def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> str:
     lines = [
-        "Predicted vs measured (GiB; estimate of "
-        f"{est.spec.get('size') or 'a config'}, {est.spec.get('optim')})",
+        f"Predicted vs measured (GiB; estimate of {est.subject}, {est.spec.get('optim')})",
         f"  {'component':<58}{'predicted':>10}{'measured':>10}{'diff':>9}{'':>9}",
     ]
     for r in rows:

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from collector import args
@@ -289,6 +290,47 @@ def _allocator(conf: str | None):  # -> AllocatorConfig
         raise EstimateError(f"--alloc-conf {conf}: {exc}") from None
 
 
+_SCRIPT_DECIDES = (  # what a script sets itself: flags --script refuses
+    ("workload", "--workload"),
+    ("shard", "--shard"),
+    ("optim", "--optim"),
+    ("seq_len", "--seq-len"),
+    ("batch", "--batch"),
+    ("grad_accum", "--grad-accum"),
+    ("no_checkpointing", "--no-checkpointing"),
+    ("fp32", "--fp32"),
+    ("max_batch", "--max-batch"),
+    ("max_seq_len", "--max-seq-len"),
+)
+
+
+def _estimate_script(ns: argparse.Namespace, prog: str, say: Callable[[str], None]):
+    """``--script``: the user's script estimated in a child process (Estimate, error)."""
+    from collector.estimate.script import DEFAULT_TIME_LIMIT, estimate_script
+
+    given = [flag for key, flag in _SCRIPT_DECIDES if getattr(ns, key, None) not in (None, False)]
+    if ns.world_size != 1:
+        given.append("--world-size")
+    if ns.workload == "finetune":
+        given = [g for g in given if g != "--workload"]
+    if given:
+        raise UserError(
+            f"{prog}: --script takes the model, optimizer and batch from the script; "
+            f"drop {', '.join(given)}"
+        )
+    _allocator(ns.alloc_conf)  # a bad --alloc-conf is said here, not in the child
+    return estimate_script(
+        ns.script,
+        _strip_dashes(ns.script_args),
+        time_limit=ns.time_limit or DEFAULT_TIME_LIMIT,
+        progress=say,
+        alloc_conf=ns.alloc_conf,
+        gpu=ns.gpu,
+        margin=ns.margin / 100,
+        fraction=ns.memory_fraction,
+    )
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     import torch
 
@@ -298,6 +340,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     prog = "stepmem estimate"
     build.offline()  # a config is shapes: nothing in it reaches the network
     out = writable_file(ns.out, "--out", prog) if ns.out else None
+    if ns.script is not None:
+        return _cmd_estimate_script(ns, prog, out)
+    if ns.script_args or ns.time_limit is not None:
+        raise UserError(f"{prog}: arguments after '--' and --time-limit are for --script")
     cuda = torch.cuda.is_available()
     try:
         spec = _estimate_spec(ns, cuda)
@@ -342,6 +388,32 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     if out is not None:
         write_output(out, data + "\n", "--out", prog)
         print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
+    return 0
+
+
+def _cmd_estimate_script(ns: argparse.Namespace, prog: str, out: Path | None) -> int:
+    from collector.estimate import render
+
+    quiet = ns.json or not sys.stderr.isatty()
+
+    def say(m: str) -> None:
+        if not quiet:
+            print(f"… {m}", file=sys.stderr)
+
+    try:
+        est, error = _estimate_script(ns, prog, say)
+    except EstimateError as exc:
+        raise UserError(f"{prog}: {exc}") from None
+    if est is not None:
+        data = json.dumps(est.to_dict(), indent=1)
+        print(data if ns.json else render(est))
+        if out is not None:
+            write_output(out, data + "\n", "--out", prog)
+            print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
+    if error:
+        kept = " (the estimate above holds the steps traced before it)" if est else ""
+        print(f"{prog}: {error}{kept}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -354,13 +354,20 @@ def _estimate_parser(sub) -> None:
         metavar="RUN",
         help="the model, optimizer and batch of a stored finetune run (its workload summary)",
     )
+    model.add_argument(
+        "--script",
+        type=Path,
+        metavar="TRAIN.py",
+        help="your own training script, unchanged (with the probe's lines or callback), run on "
+        "fake tensors through its first two probe steps; its arguments go after '--'",
+    )
     e.add_argument("--optim", choices=OPTIMS, help="default: adamw_8bit on a GPU, else adamw_torch")
     e.add_argument(
         "--seq-len",
         type=args.positive_int,
         help="tokens per sequence (default: 4096 on a GPU, 64 elsewhere)",
     )
-    e.add_argument("--batch", type=args.positive_int, default=1, help="sequences a micro-batch")
+    e.add_argument("--batch", type=args.positive_int, help="sequences a micro-batch (default 1)")
     e.add_argument(
         "--grad-accum",
         type=args.positive_int,
@@ -368,9 +375,20 @@ def _estimate_parser(sub) -> None:
     )
     e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
+    e.add_argument(
+        "--time-limit",
+        type=args.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="--script: stop the script if its second probe step has not ended by then "
+        "(default 900)",
+    )
     _fit_flags(e)
     e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    e.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="after '--': arguments for --script"
+    )
 
 
 def _devices_parser(sub) -> None:

@@ -17,18 +17,31 @@ def _unit(peak: int) -> tuple[int, str]:
     return (GIB, "GiB") if peak >= GIB else (MIB, "MiB")
 
 
+def _what(est: Estimate) -> str:
+    """The model, optimizer and batch estimated (a script's: its arguments and probe steps)."""
+    s = est.spec
+    if est.script:
+        args = " ".join(s.get("args") or [])
+        return (
+            f"{est.subject}{' ' + args[:120] if args else ''}, optimizer {s.get('optim')}, "
+            f"through its probe steps {', '.join(map(str, s.get('steps') or []))}"
+        )
+    return (
+        f"{s['optim']}, batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
+        f"micro-batch{'es' if s['grad_accum'] > 1 else ''} a step"
+        f"{', checkpointing' if s['checkpointing'] else ''}{', bf16 autocast' if s['bf16'] else ''}"
+    )
+
+
 def _headline(est: Estimate) -> str:
     s = est.spec
-    model = f"a {s['config'].get('model_type', '?')} config" if s.get("config") else s["size"]
+    model = "" if est.script else est.subject
     if s.get("shard") == "fsdp2":
         model += f", FSDP2 over {s.get('world_size', 1)} rank(s)"
     n = est.parameters_count
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
     return (
-        f"Estimate: {model} ({count} parameters), {s['optim']}, "
-        f"batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
-        f"micro-batch{'es' if s['grad_accum'] > 1 else ''} a step"
-        f"{', checkpointing' if s['checkpointing'] else ''}{', bf16 autocast' if s['bf16'] else ''}"
+        f"Estimate: {model + ' ' if model else ''}({count} parameters), {_what(est)}"
         f" — on {est.device}{' (standing in for CUDA)' if est.stand_in else ''}, "
         f"{est.seconds:.1f} s, "
         + (
@@ -190,7 +203,8 @@ def render(est: Estimate, top: int = 8) -> str:
                 f"{f(m.parts.get(MemoryKind.TEMPORARIES, 0))}"
             )
     if est.stopped_at:
-        lines.append(f"Stopped at {est.stopped_at}: the rest of the model was not traced.")
+        rest = "the rest of the script" if est.script else "the rest of the model"
+        lines.append(f"Stopped at {est.stopped_at}: {rest} was not traced.")
     for n in est.notes:
         lines.append(f"Note: {n}.")
     return "\n".join(lines)

@@ -34,7 +34,8 @@ WORKSPACE_KEY = -1
 
 class AllocationLog:
     """Build with :meth:`mode` (a ``TorchDispatchMode``) on ``device``; ``events`` holds
-    ``("a", key, bytes)``, ``("f", key, 0)`` and ``("m", phase, 0)`` (a phase begins);
+    ``("a", key, bytes)``, ``("f", key, 0)``, ``("m", phase, 0)`` (a phase begins) and
+    ``("e", None, 0)`` (``torch.cuda.empty_cache()``);
     ``where[key]`` is the module that was running when ``key`` was allocated (``where_now``
     says it; None: not noted); ``streams[key]`` the stream it was allocated on, where that is
     not the default one (each stream has its own pools in the allocator)."""
@@ -313,6 +314,8 @@ def simulate(
                 out.oom, out.oom_phase = exc, phase
                 out.oom_module = (where or {}).get(key, "")
                 break
+        elif kind == "e":  # torch.cuda.empty_cache()
+            model.empty_cache()
         else:
             h = handles.pop(key, None)
             if h is not None:

@@ -57,7 +57,17 @@ from collector.estimate.spec import Spec
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 from collector.model.prediction import Estimate, ModulePeak
 
-__all__ = ["estimate"]
+__all__ = [
+    "attention_note",
+    "estimate",
+    "hold_steps",
+    "holder_of",
+    "index_peaks",
+    "module_peaks",
+    "parts_of",
+    "quiet",
+    "step_counters",
+]
 
 # MemTracker's reference types (their string values, stable since torch 2.5) → ours
 _TRACKER = {
@@ -89,7 +99,7 @@ MICRO_TRACED = 2  # micro-batches traced a step: from the second on, each holds 
 MODULE_DEPTH = 4  # module names kept in the per-module account (Model.model.layers.N)
 
 
-def _parts(snap: dict[Any, dict[Any, int]], device: Any) -> dict[MemoryKind, int]:
+def parts_of(snap: dict[Any, dict[Any, int]], device: Any) -> dict[MemoryKind, int]:
     """One device's bytes by kind (optimizer step counters live on the host under CUDA)."""
     out = dict.fromkeys(ESTIMATE_KINDS, 0)
     for dev, dev_snap in snap.items():
@@ -102,7 +112,7 @@ def _parts(snap: dict[Any, dict[Any, int]], device: Any) -> dict[MemoryKind, int
     return out
 
 
-def _module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
+def module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
     out = []
     for stats in list(tracker.memory_tracking.values()):
         name = stats.mod_fqn
@@ -113,7 +123,7 @@ def _module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
             if phase is None:
                 continue
             for snap in snaps:
-                parts = _parts(snap, device)
+                parts = parts_of(snap, device)
                 out.append(ModulePeak(name, phase, sum(parts.values()), parts))
     return out
 
@@ -150,11 +160,11 @@ def _most_unsharded(tracker: Any, device: Any) -> int:
     for stats in list(getattr(tracker, "memory_tracking", {}).values()):
         for snaps in stats.snapshots.values():
             for snap in snaps:
-                most = max(most, _parts(snap, device)[MemoryKind.UNSHARDED_PARAMETERS])
+                most = max(most, parts_of(snap, device)[MemoryKind.UNSHARDED_PARAMETERS])
     return most
 
 
-def _step_counters(opt: Any) -> list[Any]:
+def step_counters(opt: Any) -> list[Any]:
     """The optimizer's per-parameter ``step`` tensors (CPU scalars under CUDA unless capturable:
     on the CPU stand-in they are on the traced device, where CUDA would not hold them)."""
     import torch
@@ -162,7 +172,7 @@ def _step_counters(opt: Any) -> list[Any]:
     return [st["step"] for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
 
 
-def _holder(mods: list[ModulePeak], peak: int) -> ModulePeak | None:
+def holder_of(mods: list[ModulePeak], peak: int) -> ModulePeak | None:
     """The innermost module whose pass holds the step's peak (the deepest name at that total)."""
     at = [m for m in mods if m.total >= peak]
     if not at:
@@ -261,11 +271,11 @@ def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
 
         tracker = MemTracker()
         tracker.track_external(model, opt)
-    _index_peaks(tracker)
+    index_peaks(tracker)
     return tracker
 
 
-def _index_peaks(tracker: Any) -> None:
+def index_peaks(tracker: Any) -> None:
     """The same per-module peak update as MemTracker's ``_update_peak_stats``, looked up by the
     active modules' names instead of a walk over every module on every operator (which made a
     7B trace spend most of its time there: O(operators x modules)). Left as torch's when its
@@ -325,19 +335,19 @@ def _trace_step(
             mark(f"{step} backward {micro + 1}")
             (loss / spec.grad_accum).backward()
             del loss, ids
-            peak = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
+            peak = sum(parts_of(tracker.get_tracker_snapshot("peak"), device).values())
             if last and peak > t.best[0]:
-                t.best = (peak, _module_peaks(tracker, root, device))
+                t.best = (peak, module_peaks(tracker, root, device))
             if last:
                 t.unsharded = max(t.unsharded, _most_unsharded(tracker, device))
-        before = sum(_parts(tracker.get_tracker_snapshot("peak"), device).values())
+        before = sum(parts_of(tracker.get_tracker_snapshot("peak"), device).values())
         say(f"tracing step {step}'s optimizer step")
         mark(f"{step} optimizer")
         opt.step()
         model.zero_grad(set_to_none=not spec.keep_grads)
-        parts = _parts(tracker.get_tracker_snapshot("peak"), device)
+        parts = parts_of(tracker.get_tracker_snapshot("peak"), device)
         t.in_optimizer = sum(parts.values()) > before
-        t.at_end = _parts(tracker.get_tracker_snapshot("current"), device)
+        t.at_end = parts_of(tracker.get_tracker_snapshot("current"), device)
         # torch files every allocation of the optimizer step as optimizer state;
         # what is not resident after it was the step's temporaries
         state = MemoryKind.OPTIMIZER_STATE
@@ -368,7 +378,7 @@ def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         # ModTracker warns on every recomputed (checkpointed) forward; deprecations are noise
         warnings.filterwarnings("ignore", message=".*module hierarchy tracking")
@@ -424,7 +434,7 @@ def estimate(
     stack: list[_Stack] = []
     if fake:
         t.log = AllocationLog(device, where_now=_where(t, stack))
-    with mode, _quiet(), build.group_closed(mesh), contextlib.ExitStack() as more:
+    with mode, quiet(), build.group_closed(mesh), contextlib.ExitStack() as more:
         attention = _cuda_rules(spec, cuda, device, more) if fake else None
         if fake:
             more.enter_context(build.unpacked_inputs())
@@ -449,7 +459,7 @@ def estimate(
             notes.append(_untraceable(exc, stack[0], model, opt, spec, t))
         finally:
             stack[0].close()
-        counters = _step_counters(opt) if not cuda else []
+        counters = step_counters(opt) if not cuda else []
         if t.log is not None:
             t.log.drop({k for k in map(t.log.key_of, counters) if k is not None})
     if counters:  # torch's step counters live on the host under CUDA: not the device's bytes
@@ -457,14 +467,14 @@ def estimate(
         for d in (*t.per_step, t.at_end):
             if d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
                 d[MemoryKind.OPTIMIZER_STATE] -= n
-    notes += _attention_note(getattr(attention, "chosen", {}))
+    notes += attention_note(getattr(attention, "chosen", {}))
     out = _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
     if t.log is not None:
-        _held(out, t.log, allocator, target)
+        hold_steps(out, t.log, allocator, target)
     return out
 
 
-def _attention_note(chosen: dict[str, int]) -> list[str]:
+def attention_note(chosen: dict[str, int]) -> list[str]:
     if not chosen:
         return []
     kinds = ", ".join(f"{k} ({n} calls)" for k, n in sorted(chosen.items()))
@@ -474,7 +484,7 @@ def _attention_note(chosen: dict[str, int]) -> list[str]:
     return [note]
 
 
-def _held(
+def hold_steps(
     out: Estimate, log: AllocationLog, allocator: AllocatorConfig, target: Target | None
 ) -> None:
     """What the GPU holds: the sequence through the allocator model, per traced step; with a
@@ -533,7 +543,7 @@ def _result(
 
     steady = t.per_step[-1]
     mods = t.best[1]
-    holder = None if t.in_optimizer else _holder(mods, sum(steady.values()))
+    holder = None if t.in_optimizer else holder_of(mods, sum(steady.values()))
     resident = (MemoryKind.PARAMETERS, MemoryKind.BUFFERS, MemoryKind.OPTIMIZER_STATE)
     if spec.keep_grads:
         resident += (MemoryKind.GRADIENTS,)

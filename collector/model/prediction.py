@@ -70,6 +70,21 @@ class Estimate:
     largest: dict[str, Any] | None = None
 
     @property
+    def script(self) -> bool:
+        """An estimate of a user's script (``stepmem estimate --script``)."""
+        return self.spec.get("workload") == "script"
+
+    @property
+    def subject(self) -> str:
+        """What was estimated, in words: a script, a built-in size or a config's model."""
+        s = self.spec
+        if self.script:
+            return f"script {s.get('script')}"
+        if s.get("config"):
+            return f"a {(s.get('config') or {}).get('model_type', '?')} config"
+        return str(s.get("size") or "a config")
+
+    @property
     def reserved_peak(self) -> int | None:
         """Torch's reserved peak over the traced steps (None: not modelled)."""
         return max((s["reserved_peak"] for s in self.steps), default=None)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from collector.model import marks
 from collector.model.kinds import LEDGER_KINDS, LIVE_KINDS, LedgerFigure, MemoryKind
 from collector.model.prediction import Estimate, load_estimate
 from collector.model.records import ERROR_PREFIX, Stat, StepEvent
@@ -254,6 +255,10 @@ class StepProbe:
     def watch(self, model: Any = None, optimizer: Any = None) -> StepProbe:
         """Give the probe the model and optimizer whose tensors the ledger counts (an FSDP2
         model's local shards, a DDP model's gradient buckets: :mod:`collector.probe.ledger`)."""
+        listener = marks.listening()
+        if listener is not None:  # an estimate runs this script: the model is its business
+            listener.watch(model, optimizer)
+            return self
         if model is not None and model is not self.model:
             self.model = model
             try:
@@ -421,6 +426,8 @@ class StepProbe:
     def begin(self, step: int) -> None:
         """Mark the start of step ``step``: the caller's number for it (it may restart each
         epoch; the probe numbers steps itself too, ``seq``, so none is lost or merged)."""
+        if (listener := marks.listening()) is not None:
+            return listener.begin(step)
         if self.step_index is not None:
             self.errors["begin_without_end"] += 1
         self.step_index = step
@@ -436,6 +443,8 @@ class StepProbe:
     def phase(self, name: str) -> None:
         """Mark the start of a phase inside the current step (e.g. ``"optimizer"``). The peaks
         carried by this mark are those of the phase that just ended."""
+        if (listener := marks.listening()) is not None:
+            return listener.phase(name)
         if self.step_index is None:
             self.errors["phase_outside_step"] += 1
             return
@@ -446,6 +455,8 @@ class StepProbe:
     @_never_raises
     def end(self) -> None:
         """Mark the end of the current step, take the ledger, and send what is due."""
+        if (listener := marks.listening()) is not None:
+            return listener.end()
         if self.step_index is None:
             self.errors["end_without_begin"] += 1
             return
@@ -463,6 +474,8 @@ class StepProbe:
         its record is kept with the allocator's figures at the failure and ``error`` naming the
         exception, and everything batched is sent at once, before the process dies. Does
         nothing outside a step."""
+        if (listener := marks.listening()) is not None:
+            return listener.fail(exc)
         if self.step_index is None:
             return
         name = type(exc).__name__ if exc is not None else "error"
@@ -499,6 +512,8 @@ class StepProbe:
           wakes it to collect the answer and ask again, so a call sees what the sampler had
           joined by about the previous one).
         """
+        if marks.listening() is not None:
+            return {}
         out: dict[str, float] = {}
         peaks, self._log_peaks = self._log_peaks, {}
         for key, name in zip(_LOG_PEAKS, ("allocated", "reserved"), strict=True):
@@ -533,4 +548,6 @@ class StepProbe:
     @_never_raises
     def close(self) -> None:
         """Send everything still batched. Call once when training ends."""
+        if marks.listening() is not None:
+            return
         self.outbox.close()

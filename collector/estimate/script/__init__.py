@@ -1,0 +1,135 @@
+"""``stepmem estimate --script FILE -- ARGS``: the user's own training script, unchanged, estimated.
+
+The script runs in a child process (:mod:`.child`) on fake tensors — no GPU memory, the same on
+a machine without a GPU — through its first two probe steps (the ``StepProbe`` marks the README
+has users add, or the Hugging Face / Lightning callbacks), and is stopped there; the estimate is
+the same as ``--config``'s: components per step, module peaks, torch's allocated and reserved
+through the caching-allocator model and NVML's figure, and whether it fits the GPU.
+
+* :mod:`.child` — the child: the script under fake tensors, one tracker, the allocation log;
+* :mod:`.steps` — the probe's marks cutting the trace into steps;
+* :mod:`.cuda_api` — ``torch.cuda`` as the script sees it: memory counters answered from the
+  estimate, and CUDA stood in for by the CPU where there is no GPU.
+
+The script's side effects are its own (it may write files and reach the network as when it runs
+for real); this process contains it: its own process group, killed at the time limit or on
+Ctrl-C, and nothing of it read back but the result file, as untrusted data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from collector.model.errors import EstimateError
+from collector.model.prediction import Estimate
+
+__all__ = ["DEFAULT_TIME_LIMIT", "estimate_script"]
+
+DEFAULT_TIME_LIMIT = 900.0  # seconds: a 7B traces in about two minutes on a GPU host
+MAX_RESULT_BYTES = 64 << 20
+KILL_GRACE_S = 3.0
+
+
+def _root() -> str:
+    """The folder ``collector`` is imported from (the child imports the same)."""
+    import collector
+
+    return str(Path(collector.__file__).resolve().parent.parent)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """The child and whatever it started: SIGTERM, then SIGKILL after a grace."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _request(script: Path, args: list[str], result: Path, **settings: Any) -> dict[str, Any]:
+    return {"script": str(script), "args": list(args), "result": str(result), **settings}
+
+
+def estimate_script(
+    script: Path,
+    args: list[str],
+    *,
+    time_limit: float = DEFAULT_TIME_LIMIT,
+    progress: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> tuple[Estimate | None, str]:
+    """Estimate ``script`` run with ``args`` (see the module doc). ``settings``: ``alloc_conf``,
+    ``gpu``, ``margin``, ``fraction`` (as ``stepmem estimate``'s flags). Returns the estimate
+    (None: no step was traced) and the error that stopped the script early ("": none);
+    :class:`EstimateError` when the script cannot be run or is stopped at ``time_limit``."""
+    say = progress or (lambda _m: None)
+    script = script.resolve()
+    if not script.is_file():
+        raise EstimateError(f"--script {script}: no such file")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_root(), env.get("PYTHONPATH")) if p)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.pop("STEPMEM_ESTIMATE", None)  # the probe's "predicted peak" input, not this
+    with tempfile.TemporaryDirectory(prefix="stepmem-estimate-") as tmp:
+        result, req = Path(tmp) / "result.json", Path(tmp) / "request.json"
+        req.write_text(json.dumps(_request(script, args, result, **settings)))
+        say(
+            f"running {script.name} on fake tensors to the end of its second probe step "
+            f"(its output follows; stopped after {time_limit:.0f} s)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "collector.estimate.script.child", str(req)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(time_limit)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise EstimateError(
+                f"--script {script.name}: no second probe step within {time_limit:.0f} s; "
+                "stopped (--time-limit SECONDS to wait longer; a script needs the probe's "
+                "lines, see the README's 'Estimate your own script')"
+            ) from None
+        except BaseException:  # Ctrl-C: the script goes too
+            _stop(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+        return _read(result, code, script)
+
+
+def _read(result: Path, code: int, script: Path) -> tuple[Estimate | None, str]:
+    """The child's result file, as untrusted data."""
+    try:
+        with result.open("rb") as f:
+            raw = f.read(MAX_RESULT_BYTES + 1)
+    except OSError:
+        raise EstimateError(
+            f"--script {script.name}: the estimate's process ended (status {code}) before it "
+            "wrote a result; its output is above"
+        ) from None
+    if len(raw) > MAX_RESULT_BYTES:
+        raise EstimateError(f"--script {script.name}: its result is over {MAX_RESULT_BYTES} bytes")
+    try:
+        d = json.loads(raw)
+        error = str(d.get("error") or "")[:1000]
+        est = Estimate.from_dict(d["estimate"]) if d.get("estimate") is not None else None
+    except (ValueError, AttributeError, KeyError) as exc:
+        raise EstimateError(f"--script {script.name}: unreadable result ({exc})") from None
+    return est, error

@@ -1,0 +1,125 @@
+"""A user's script's steps, traced: the marks its probe lines make (:mod:`collector.model.marks`)
+cut the one tracker that watches the whole script into steps.
+
+:class:`ScriptSteps` listens for the marks. At each step's begin it starts the tracker's peak
+afresh (and the live counters' peaks, as the probe resets torch's at each mark), at each phase it
+marks the allocation log, and at each end it keeps the step's peak by kind, what stays at its
+end and — for the last step traced — the module peaks; after :data:`STEPS_TRACED` steps it ends
+the script (:class:`~collector.model.marks.TraceDone`).
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any
+
+from collector.estimate.sequence import AllocationLog
+from collector.estimate.trace import module_peaks, parts_of
+from collector.model.kinds import MemoryKind
+from collector.model.marks import TraceDone
+from collector.model.prediction import ModulePeak
+
+__all__ = ["STEPS_TRACED", "ScriptSteps"]
+
+STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady one
+
+
+@dataclass
+class ScriptSteps:
+    """The listener (see the module doc). ``live`` (a :class:`~.cuda_api.LiveAllocator`) has its
+    peaks reset at each mark, as the probe resets torch's."""
+
+    tracker: Any
+    log: AllocationLog
+    device: Any
+    live: Any = None
+    per_step: list[dict[MemoryKind, int]] = field(default_factory=list)
+    at_end: dict[MemoryKind, int] = field(default_factory=dict)
+    modules: list[ModulePeak] = field(default_factory=list)
+    in_optimizer: bool = False
+    models: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)  # the script's own step numbers
+    _n: int = 0
+    _open: bool = False
+    _before_opt: int | None = None
+
+    # -- what the script shows the probe ------------------------------------------------------
+
+    def watch(self, model: Any, optimizer: Any) -> None:
+        if model is not None and all(m is not model for m in self.models):
+            self.models.append(model)
+        self.add_optimizer(optimizer)
+
+    def add_optimizer(self, optimizer: Any) -> None:
+        if optimizer is not None and all(o is not optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+    def begin(self, step: int) -> None:
+        if self._open:  # a begin without an end: the step before is ended here
+            self.end()
+        self._n += 1
+        self._open = True
+        self.numbers.append(int(step) if isinstance(step, int) else self._n)
+        self._before_opt = None
+        self.log.mark(f"{self._n} step")
+        self._restart_peaks()
+        self.tracker.reset_mod_stats()
+
+    def phase(self, name: str) -> None:
+        if not self._open:
+            return
+        if name == "optimizer":
+            self._before_opt = self._peak_total()
+        self.log.mark(f"{self._n} {str(name)[:40]}")
+        if self.live is not None:
+            self.live.reset_peaks()
+
+    def end(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        parts = parts_of(self.tracker.get_tracker_snapshot("peak"), self.device)
+        self.at_end = parts_of(self.tracker.get_tracker_snapshot("current"), self.device)
+        # torch files every allocation of the optimizer step as optimizer state; what is not
+        # resident after it was the step's temporaries
+        state = MemoryKind.OPTIMIZER_STATE
+        extra = max(0, parts[state] - self.at_end[state])
+        parts[state] -= extra
+        parts[MemoryKind.OPTIMIZER_STEP_TEMPORARIES] += extra
+        if self._before_opt is not None:
+            self.in_optimizer = sum(parts.values()) > self._before_opt
+        self.per_step.append(parts)
+        self.modules = module_peaks(self.tracker, self.root(), self.device)
+        self.log.mark(f"{self._n} end")
+        if self.live is not None:
+            self.live.reset_peaks()
+        if self._n >= STEPS_TRACED:
+            raise TraceDone
+
+    def fail(self, exc: BaseException | None) -> None:
+        self._open = False  # the exception goes on; the estimate keeps the steps it has
+
+    # -- reading it ---------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step)
+
+    def root(self) -> str:
+        """The class name the tracker files the model's modules under."""
+        return type(self.models[0]).__name__ if self.models else ""
+
+    def _peak_total(self) -> int:
+        return sum(parts_of(self.tracker.get_tracker_snapshot("peak"), self.device).values())
+
+    def _restart_peaks(self) -> None:
+        """The tracker's peak from now (what is held now), as a step's own."""
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+        now = deepcopy(self.tracker.get_tracker_snapshot("current"))
+        self.tracker._peak_mem_snap = now
+        self.tracker._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in now.items()}
+        if self.live is not None:
+            self.live.reset_peaks()
