@@ -54,6 +54,7 @@ from collector.estimate.allocator import AllocatorConfig
 from collector.estimate.fit import Target, hold
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
+from collector.estimate.tracker import tracker as memory_tracker
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 from collector.model.prediction import Estimate, ModulePeak
 
@@ -267,9 +268,7 @@ def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
         tracker = FSDPMemTracker(model, opt)
         tracker.track_inputs(())
     else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = memory_tracker()
         tracker.track_external(model, opt)
     index_peaks(tracker)
     return tracker

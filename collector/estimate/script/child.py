@@ -35,6 +35,7 @@ from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.fit import Target
 from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
 from collector.estimate.script.steps import ScriptSteps
+from collector.estimate.script.weights import headers_only
 from collector.estimate.sequence import AllocationLog
 from collector.estimate.trace import (
     attention_note,
@@ -44,6 +45,7 @@ from collector.estimate.trace import (
     quiet,
     step_counters,
 )
+from collector.estimate.tracker import tracker
 from collector.model import marks
 from collector.model.kinds import MemoryKind
 from collector.model.prediction import Estimate
@@ -67,10 +69,11 @@ class _Reads:
         self.script, self.count, self.first = script, 0, ""
 
     def note(self) -> None:
-        """A read; one torch makes itself (an optimizer reading its step count) is not noted:
-        CUDA's step counters are real host tensors."""
+        """A read; one torch or bitsandbytes makes itself (an optimizer reading its step count,
+        a quantisation map built) is not noted: those are host values, or do not change what is
+        allocated."""
         frames = [f for f in traceback.extract_stack()[:-2] if not _machinery(f.filename)]
-        if frames and "/torch/" in frames[-1].filename:
+        if frames and any(d in frames[-1].filename for d in ("/torch/", "/bitsandbytes/")):
             return
         self.count += 1
         if not self.first:
@@ -176,6 +179,66 @@ def _conversions_in_place() -> Iterator[None]:
         torch.nn.Module._apply = real
 
 
+@contextlib.contextmanager
+def _fake_deepcopy() -> Iterator[None]:
+    """``copy.deepcopy`` of a fake tensor (a logged value, an EMA model's buffers) as a clone:
+    torch's copies the storage, which a fake tensor does not have on its device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(self: Any, memo: dict[int, Any]) -> Any:
+        if id(self) not in memo:
+            out = self.detach().clone()
+            if self.requires_grad:
+                out.requires_grad_(True)
+            memo[id(self)] = out
+        return memo[id(self)]
+
+    real = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if real is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = real
+
+
+@contextlib.contextmanager
+def _parameter_subclasses() -> Iterator[None]:
+    """A parameter subclass made of a fake tensor (bitsandbytes' ``Params4bit`` and
+    ``Int8Params``) made as a fake tensor of that class too: the class's own methods run (its
+    ``.to()`` quantises through bitsandbytes' fake kernels, so the packed weight and its
+    quantisation state are laid out by bitsandbytes itself) and the fake mode runs its
+    operators. Torch's ``_make_subclass`` refuses a tensor that is already a fake tensor."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    real = torch.Tensor._make_subclass
+    mixed: dict[type, type] = {}
+
+    def make_subclass(cls: type, data: Any, requires_grad: bool = False, *a: Any, **k: Any) -> Any:
+        if (
+            isinstance(data, FakeTensor)
+            and issubclass(cls, torch.nn.Parameter)
+            and cls is not torch.nn.Parameter
+            and not issubclass(cls, FakeTensor)
+        ):
+            if cls not in mixed:
+                mixed[cls] = type(cls.__name__, (FakeTensor, cls), {"__module__": cls.__module__})
+            out = data.detach()
+            out.requires_grad_(requires_grad)
+            out.__class__ = mixed[cls]
+            return out
+        return real(cls, data, requires_grad, *a, **k)
+
+    torch.Tensor._make_subclass = staticmethod(make_subclass)
+    try:
+        yield
+    finally:
+        torch.Tensor._make_subclass = real
+
+
 class _Roots:
     """The modules whose forward ran outside any other's: the models (when the script does not
     hand its model to the probe)."""
@@ -244,10 +307,8 @@ class _Run:
     """One script's trace: its parts, and what came of running it."""
 
     def __init__(self, script: Path, cuda: bool, device: Any, allocator: AllocatorConfig) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         self.script, self.cuda, self.device = script, cuda, device
-        self.tracker = MemTracker()
+        self.tracker = tracker()
         index_peaks(self.tracker)
         self.log = AllocationLog(device, where_now=_where_now(self.tracker))
         self.live = LiveAllocator(self.log, allocator)
@@ -276,12 +337,16 @@ class _Run:
             )
             st.enter_context(_fake_mode(self.reads))
             st.enter_context(_conversions_in_place())
+            st.enter_context(_fake_deepcopy())
+            st.enter_context(_parameter_subclasses())
+            st.enter_context(headers_only())
             st.enter_context(self.log.resizes())
             st.enter_context(self.log.streams_followed(self.cuda))
             st.enter_context(self.log.mode())
             st.enter_context(self.tracker)
             st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
             roots = _Roots()
+            self.steps.roots = roots.found
             st.callback(roots.close)
             st.callback(marks.listen, None)
             marks.listen(self.steps)
@@ -321,6 +386,16 @@ class _Run:
                 d[MemoryKind.OPTIMIZER_STATE] -= n
 
 
+def _before_the_stand_in() -> None:
+    """Libraries that pick a CUDA backend when they are imported with CUDA there: imported
+    before the stand-in says it is (bitsandbytes then runs its CPU ops, whose fake kernels the
+    trace uses; its CUDA ones cannot load without CUDA)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes  # noqa: F401
+
+
 def _optimizers_seen(steps: ScriptSteps) -> Any:
     """Every optimizer that steps, handed to ``steps`` (the script may not give the probe one)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -336,6 +411,8 @@ def trace_script(
     build.offline()
     import torch
 
+    if not torch.cuda.is_available():
+        _before_the_stand_in()
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -135,6 +135,8 @@ def _device_mode() -> Any:
     class CudaOnCpu(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
+            if func is torch.device and args and type(args[0]) is int and len(args) == 1:
+                return torch.device("cuda", args[0])  # an index names the accelerator: CUDA
             if _is_cuda(kwargs.get("device")) or isinstance(kwargs.get("device"), int):
                 kwargs["device"] = cpu
             if func in moves:

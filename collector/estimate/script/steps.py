@@ -22,6 +22,25 @@ from collector.model.prediction import ModulePeak
 
 __all__ = ["STEPS_TRACED", "ScriptSteps"]
 
+
+def _quantisation_tensors(weight: Any) -> list[Any]:
+    """The tensors of a bitsandbytes weight's quantisation state (4-bit ``quant_state``, with
+    its nested ``state2``; 8-bit ``SCB``)."""
+    import torch
+
+    out = []
+    qs = getattr(weight, "quant_state", None)
+    for state in (qs, getattr(qs, "state2", None)):
+        for name in ("absmax", "code", "offset"):
+            t = getattr(state, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    scb = getattr(weight, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out
+
+
 STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady one
 
 
@@ -31,7 +50,7 @@ class ScriptSteps:
     peaks reset at each mark, as the probe resets torch's."""
 
     tracker: Any
-    log: AllocationLog
+    log: AllocationLog | None
     device: Any
     live: Any = None
     per_step: list[dict[MemoryKind, int]] = field(default_factory=list)
@@ -39,11 +58,36 @@ class ScriptSteps:
     modules: list[ModulePeak] = field(default_factory=list)
     in_optimizer: bool = False
     models: list[Any] = field(default_factory=list)
+    roots: list[Any] = field(default_factory=list)  # modules whose forward ran outside others'
     optimizers: list[Any] = field(default_factory=list)
     numbers: list[int] = field(default_factory=list)  # the script's own step numbers
     _n: int = 0
     _open: bool = False
     _before_opt: int | None = None
+    _best: int = -1
+
+    def __post_init__(self) -> None:
+        """The tracker keeps one forward per module between resets; a script's step may run
+        several (micro-batches): at a root module's next forward the records start afresh,
+        the largest micro-batch's module peaks kept."""
+        real = self.tracker._pre_fw_hook
+
+        def pre_forward(module: Any, inputs: Any) -> None:
+            mt = self.tracker._mod_tracker
+            again = module in self.tracker.memory_tracking and not mt.is_bw
+            if again and set(mt.parents) <= {"Global", mt.get_known_fqn(module)}:
+                self._keep_modules()
+                self.tracker.reset_mod_stats()
+            real(module, inputs)
+
+        self.tracker._pre_fw_hook = pre_forward
+        self._best = -1
+
+    def _keep_modules(self) -> None:
+        mods = module_peaks(self.tracker, self.root(), self.device)
+        top = max((m.total for m in mods), default=-1)
+        if top > self._best:
+            self._best, self.modules = top, mods
 
     # -- what the script shows the probe ------------------------------------------------------
 
@@ -53,6 +97,9 @@ class ScriptSteps:
         self.add_optimizer(optimizer)
 
     def add_optimizer(self, optimizer: Any) -> None:
+        """``optimizer``, or the one a wrapper (accelerate's, Lightning's) holds."""
+        while optimizer is not None and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
         if optimizer is not None and all(o is not optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
 
@@ -63,16 +110,20 @@ class ScriptSteps:
         self._open = True
         self.numbers.append(int(step) if isinstance(step, int) else self._n)
         self._before_opt = None
-        self.log.mark(f"{self._n} step")
+        if self.log is not None:
+            self.log.mark(f"{self._n} step")
+        self._file_quantisation_state()
         self._restart_peaks()
         self.tracker.reset_mod_stats()
+        self._best, self.modules = -1, []
 
     def phase(self, name: str) -> None:
         if not self._open:
             return
         if name == "optimizer":
             self._before_opt = self._peak_total()
-        self.log.mark(f"{self._n} {str(name)[:40]}")
+        if self.log is not None:
+            self.log.mark(f"{self._n} {str(name)[:40]}")
         if self.live is not None:
             self.live.reset_peaks()
 
@@ -91,8 +142,9 @@ class ScriptSteps:
         if self._before_opt is not None:
             self.in_optimizer = sum(parts.values()) > self._before_opt
         self.per_step.append(parts)
-        self.modules = module_peaks(self.tracker, self.root(), self.device)
-        self.log.mark(f"{self._n} end")
+        self._keep_modules()
+        if self.log is not None:
+            self.log.mark(f"{self._n} end")
         if self.live is not None:
             self.live.reset_peaks()
         if self._n >= STEPS_TRACED:
@@ -108,8 +160,22 @@ class ScriptSteps:
         return len(self.per_step)
 
     def root(self) -> str:
-        """The class name the tracker files the model's modules under."""
-        return type(self.models[0]).__name__ if self.models else ""
+        """The class name the tracker files the model's modules under: the first module whose
+        forward ran outside any other's (a Lightning module's network, not the module itself,
+        when ``training_step`` calls it), else the model the probe was given."""
+        top = self.roots or self.models
+        return type(top[0]).__name__ if top else ""
+
+    def _file_quantisation_state(self) -> None:
+        """A quantised weight's state (bitsandbytes' 4-bit ``absmax``, its nested absmax and
+        maps; 8-bit ``SCB``) is part of the weight: filed as parameters, not as the
+        activations the tracker takes any tensor made outside a module's pass for."""
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        for model in self.models or self.roots:
+            for module in model.modules():
+                for t in _quantisation_tensors(getattr(module, "weight", None)):
+                    self.tracker._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
 
     def _peak_total(self) -> int:
         return sum(parts_of(self.tracker.get_tracker_snapshot("peak"), self.device).values())
