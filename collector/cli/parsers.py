@@ -302,6 +302,25 @@ def _fit_flags(e) -> None:
     )
 
 
+def _script_flags(e, model) -> None:
+    """``stepmem estimate --script``'s flags (``model``: the group of ways to name a model)."""
+    model.add_argument(
+        "--script",
+        type=Path,
+        metavar="TRAIN.py",
+        help="your own training script, unchanged (with the probe's lines or callback), run on "
+        "fake tensors through its first two probe steps; its arguments go after '--'",
+    )
+    e.add_argument(
+        "--time-limit",
+        type=args.positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="--script: stop the script if its second probe step has not ended by then "
+        "(default 900)",
+    )
+
+
 def _estimate_parser(sub) -> None:
     from collector.estimate.spec import OPTIMS, SHAPES, SHARDS, WORKLOADS
 
@@ -354,13 +373,7 @@ def _estimate_parser(sub) -> None:
         metavar="RUN",
         help="the model, optimizer and batch of a stored finetune run (its workload summary)",
     )
-    model.add_argument(
-        "--script",
-        type=Path,
-        metavar="TRAIN.py",
-        help="your own training script, unchanged (with the probe's lines or callback), run on "
-        "fake tensors through its first two probe steps; its arguments go after '--'",
-    )
+
     e.add_argument("--optim", choices=OPTIMS, help="default: adamw_8bit on a GPU, else adamw_torch")
     e.add_argument(
         "--seq-len",
@@ -375,14 +388,7 @@ def _estimate_parser(sub) -> None:
     )
     e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
     e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
-    e.add_argument(
-        "--time-limit",
-        type=args.positive_float,
-        default=None,
-        metavar="SECONDS",
-        help="--script: stop the script if its second probe step has not ended by then "
-        "(default 900)",
-    )
+    _script_flags(e, model)
     _fit_flags(e)
     e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")

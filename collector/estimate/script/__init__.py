@@ -41,9 +41,7 @@ KILL_GRACE_S = 3.0
 
 def _root() -> str:
     """The folder ``collector`` is imported from (the child imports the same)."""
-    import collector
-
-    return str(Path(collector.__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[3])
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -34,6 +34,16 @@ import collector.estimate.cuda_rules as cuda_rules
 from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.fit import Target
 from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
+from collector.estimate.script.fakes import (
+    PLACEHOLDERS,
+    Reads,
+    conversions_in_place,
+    fake_deepcopy,
+    fake_mode,
+    parameter_subclasses,
+    place,
+)
+from collector.estimate.script.paged import paged_state
 from collector.estimate.script.steps import ScriptSteps
 from collector.estimate.script.weights import headers_only
 from collector.estimate.sequence import AllocationLog
@@ -52,7 +62,6 @@ from collector.model.prediction import Estimate
 
 __all__ = ["main", "trace_script"]
 
-PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake value answers
 _FAKE_ERRORS = (
     "DataDependentOutputException",
     "DynamicOutputShapeException",
@@ -60,183 +69,6 @@ _FAKE_ERRORS = (
     "UnsupportedFakeTensorException",
     "GuardOnDataDependentSymNode",
 )
-
-
-class _Reads:
-    """Where the script read a tensor's value (the first place, and how many reads)."""
-
-    def __init__(self, script: Path) -> None:
-        self.script, self.count, self.first = script, 0, ""
-
-    def note(self) -> None:
-        """A read; one torch or bitsandbytes makes itself (an optimizer reading its step count,
-        a quantisation map built) is not noted: those are host values, or do not change what is
-        allocated."""
-        frames = [f for f in traceback.extract_stack()[:-2] if not _machinery(f.filename)]
-        if frames and any(d in frames[-1].filename for d in ("/torch/", "/bitsandbytes/")):
-            return
-        self.count += 1
-        if not self.first:
-            self.first = _place(frames, self.script)
-
-
-_MACHINERY = (
-    "/collector/",
-    "/torch/_subclasses/",
-    "/torch/utils/_python_dispatch",
-    "/torch/distributed/_tools/",
-    "/torch/_ops.py",
-    "/torch/overrides.py",
-    "/torch/_tensor.py",
-    "/torch/_tensor_str.py",
-    "/torch/_compile.py",
-    "/torch/_dynamo/",
-)
-
-
-def _machinery(filename: str) -> bool:
-    """A frame of the fake mode, the trackers or a tensor's own formatting, not of a reader."""
-    return any(m in filename for m in _MACHINERY)
-
-
-def _place(frames: Any, script: Path) -> str:
-    """``file:line`` of the innermost frame in ``script``, else of the innermost frame outside
-    torch and stepmem."""
-    mine = [f for f in frames if _same(f.filename, script)]
-    if not mine:
-        mine = [
-            f for f in frames if "/torch/" not in f.filename and "/collector/" not in f.filename
-        ]
-    if not mine:
-        return ""
-    f = mine[-1]
-    return f"{Path(f.filename).name}:{f.lineno}"
-
-
-def _same(filename: str, script: Path) -> bool:
-    try:
-        return Path(filename).resolve() == script
-    except OSError:
-        return False
-
-
-def _fake_mode(reads: _Reads) -> Any:
-    """Torch's fake mode, answering a read of a value with a placeholder (:data:`PLACEHOLDERS`)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    scalar = torch.ops.aten._local_scalar_dense.default
-
-    class ScriptFakeMode(FakeTensorMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is scalar:
-                reads.note()
-                dtype = args[0].dtype
-                if dtype == torch.bool:
-                    return PLACEHOLDERS["bool"]
-                return PLACEHOLDERS["float" if dtype.is_floating_point else "int"]
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return ScriptFakeMode(allow_non_fake_inputs=True)
-
-
-@contextlib.contextmanager
-def _conversions_in_place() -> Iterator[None]:
-    """``module.to(…)``, ``.cuda()``, ``.half()`` as they run on real tensors: each parameter's
-    new tensor set as its ``.data``. (On fake tensors torch swaps the parameter objects instead,
-    which fails for any tensor something holds a weak reference to — the tracker does.)"""
-    import torch
-
-    real = torch.nn.Module._apply
-
-    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
-        if recurse:
-            for module in self.children():
-                module._apply(fn)
-        for key, param in self._parameters.items():
-            if param is None:
-                continue
-            with torch.no_grad():
-                applied = fn(param)
-                grad = param.grad
-                grad_applied = fn(grad) if grad is not None else None
-            if applied is not param:
-                if torch._has_compatible_shallow_copy_type(param, applied):
-                    param.data = applied
-                else:
-                    self._parameters[key] = torch.nn.Parameter(applied, param.requires_grad)
-            if grad is not None and grad_applied is not grad:
-                self._parameters[key].grad = grad_applied
-        for key, buf in self._buffers.items():
-            if buf is not None:
-                self._buffers[key] = fn(buf)
-        return self
-
-    torch.nn.Module._apply = _apply
-    try:
-        yield
-    finally:
-        torch.nn.Module._apply = real
-
-
-@contextlib.contextmanager
-def _fake_deepcopy() -> Iterator[None]:
-    """``copy.deepcopy`` of a fake tensor (a logged value, an EMA model's buffers) as a clone:
-    torch's copies the storage, which a fake tensor does not have on its device."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def deepcopy(self: Any, memo: dict[int, Any]) -> Any:
-        if id(self) not in memo:
-            out = self.detach().clone()
-            if self.requires_grad:
-                out.requires_grad_(True)
-            memo[id(self)] = out
-        return memo[id(self)]
-
-    real = FakeTensor.__dict__.get("__deepcopy__")
-    FakeTensor.__deepcopy__ = deepcopy
-    try:
-        yield
-    finally:
-        if real is None:
-            del FakeTensor.__deepcopy__
-        else:
-            FakeTensor.__deepcopy__ = real
-
-
-@contextlib.contextmanager
-def _parameter_subclasses() -> Iterator[None]:
-    """A parameter subclass made of a fake tensor (bitsandbytes' ``Params4bit`` and
-    ``Int8Params``) made as a fake tensor of that class too: the class's own methods run (its
-    ``.to()`` quantises through bitsandbytes' fake kernels, so the packed weight and its
-    quantisation state are laid out by bitsandbytes itself) and the fake mode runs its
-    operators. Torch's ``_make_subclass`` refuses a tensor that is already a fake tensor."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    real = torch.Tensor._make_subclass
-    mixed: dict[type, type] = {}
-
-    def make_subclass(cls: type, data: Any, requires_grad: bool = False, *a: Any, **k: Any) -> Any:
-        if (
-            isinstance(data, FakeTensor)
-            and issubclass(cls, torch.nn.Parameter)
-            and cls is not torch.nn.Parameter
-            and not issubclass(cls, FakeTensor)
-        ):
-            if cls not in mixed:
-                mixed[cls] = type(cls.__name__, (FakeTensor, cls), {"__module__": cls.__module__})
-            out = data.detach()
-            out.requires_grad_(requires_grad)
-            out.__class__ = mixed[cls]
-            return out
-        return real(cls, data, requires_grad, *a, **k)
-
-    torch.Tensor._make_subclass = staticmethod(make_subclass)
-    try:
-        yield
-    finally:
-        torch.Tensor._make_subclass = real
 
 
 class _Roots:
@@ -270,7 +102,7 @@ class _Roots:
 def describe(exc: BaseException, script: Path) -> str:
     """The error that stopped the script, named at the script's own line."""
     frames = traceback.extract_tb(exc.__traceback__)
-    at = _place(frames, script) or script.name
+    at = place(frames, script) or script.name
     inner = frames[-1] if frames else None
     where = f" (in {Path(inner.filename).name}:{inner.lineno})" if inner else ""
     text = " ".join(str(exc).split())[:240]
@@ -306,16 +138,18 @@ def _where_now(tracker: Any) -> Any:
 class _Run:
     """One script's trace: its parts, and what came of running it."""
 
-    def __init__(self, script: Path, cuda: bool, device: Any, allocator: AllocatorConfig) -> None:
-        self.script, self.cuda, self.device = script, cuda, device
+    def __init__(
+        self, script: Path, cuda: bool, device: Any, allocator: AllocatorConfig, real: bool
+    ) -> None:
+        self.script, self.cuda, self.device, self.real = script, cuda, device, real
         self.tracker = tracker()
         index_peaks(self.tracker)
-        self.log = AllocationLog(device, where_now=_where_now(self.tracker))
-        self.live = LiveAllocator(self.log, allocator)
+        self.log = None if real else AllocationLog(device, where_now=_where_now(self.tracker))
+        self.live = None if self.log is None else LiveAllocator(self.log, allocator)
         self.steps = ScriptSteps(self.tracker, self.log, device, live=self.live)
         choose = cuda_rules.dispatcher_choice(device) if cuda else cuda_rules.rules_choice
         self.attention = cuda_rules.CudaAttention(None, choose)
-        self.reads = _Reads(script)
+        self.reads = Reads(script)
         self.error = ""
         self.ended = False  # the script ran to its end (or exit) before the steps were traced
 
@@ -329,32 +163,41 @@ class _Run:
     def run(self, args: list[str], card: Any) -> None:
         with contextlib.ExitStack() as st:
             st.enter_context(quiet())
-            st.enter_context(self.attention)
-            if not self.cuda:
-                st.enter_context(cuda_rules.cuda_dropout())
-            st.enter_context(
-                cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
-            )
-            st.enter_context(_fake_mode(self.reads))
-            st.enter_context(_conversions_in_place())
-            st.enter_context(_fake_deepcopy())
-            st.enter_context(_parameter_subclasses())
-            st.enter_context(headers_only())
-            st.enter_context(self.log.resizes())
-            st.enter_context(self.log.streams_followed(self.cuda))
-            st.enter_context(self.log.mode())
+            if not self.real:
+                self._fake_parts(st, card)
             st.enter_context(self.tracker)
-            st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
+            st.enter_context(paged_state(self.tracker, self.log))
+            if self.live is not None:
+                st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
             roots = _Roots()
             self.steps.roots = roots.found
             st.callback(roots.close)
             st.callback(marks.listen, None)
             marks.listen(self.steps)
-            self.log.mark("build")
+            if self.log is not None:
+                self.log.mark("build")
             self._run_script(args)
             if not self.steps.models:
                 self.steps.models = roots.found[:1]
             self._drop_step_counters()
+
+    def _fake_parts(self, st: contextlib.ExitStack, card: Any) -> None:
+        """Fake tensors and what a script needs of them, CUDA's rules, the allocation log."""
+        assert self.log is not None
+        st.enter_context(self.attention)
+        if not self.cuda:
+            st.enter_context(cuda_rules.cuda_dropout())
+        st.enter_context(
+            cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
+        )
+        st.enter_context(fake_mode(self.reads))
+        st.enter_context(conversions_in_place())
+        st.enter_context(fake_deepcopy())
+        st.enter_context(parameter_subclasses())
+        st.enter_context(headers_only())
+        st.enter_context(self.log.resizes())
+        st.enter_context(self.log.streams_followed(self.cuda))
+        st.enter_context(self.log.mode())
 
     def _run_script(self, args: list[str]) -> None:
         try:
@@ -378,8 +221,8 @@ class _Run:
         if self.cuda:
             return
         counters = [c for opt in list(self.steps.optimizers) for c in step_counters(opt)]
-        keys = {k for k in map(self.log.key_of, counters) if k is not None}
-        self.log.drop(keys)
+        if self.log is not None:
+            self.log.drop({k for k in map(self.log.key_of, counters) if k is not None})
         n = sum(c.numel() * c.element_size() for c in counters)
         for d in (*self.steps.per_step, self.steps.at_end):
             if n and d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
@@ -393,7 +236,15 @@ def _before_the_stand_in() -> None:
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is not None:
-        import bitsandbytes  # noqa: F401
+        import io
+        import logging
+
+        logging.disable(logging.WARNING)  # its CPU kernels' notes on a hub it may not reach
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                import bitsandbytes  # noqa: F401
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 def _optimizers_seen(steps: ScriptSteps) -> Any:
@@ -404,10 +255,17 @@ def _optimizers_seen(steps: ScriptSteps) -> Any:
 
 
 def trace_script(
-    script: Path, args: list[str], allocator: AllocatorConfig, target: Target | None, card: Any
+    script: Path,
+    args: list[str],
+    allocator: AllocatorConfig,
+    target: Target | None,
+    card: Any,
+    real: bool = False,
 ) -> tuple[Estimate | None, str]:
     """Run ``script`` with ``args`` under the estimate; its estimate (None: no step traced)
-    and the error that stopped it early ("" when none did)."""
+    and the error that stopped it early ("" when none did). ``real``: the same steps traced on
+    real tensors (the tests hold the fake trace to it): no fake mode, no CUDA stand-in, no
+    allocator model."""
     build.offline()
     import torch
 
@@ -416,7 +274,7 @@ def trace_script(
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    run = _Run(script, cuda, device, allocator)
+    run = _Run(script, cuda, device, allocator, real)
     hook = _optimizers_seen(run.steps)
     try:
         run.run(args, card)
@@ -430,7 +288,8 @@ def trace_script(
             else f"{script.name}: stopped before its first probe step ended"
         )
     out = _result(run, args, time.monotonic() - t0)
-    hold_steps(out, run.log, allocator, target)
+    if run.log is not None:
+        hold_steps(out, run.log, allocator, target)
     return out, run.error
 
 
@@ -518,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         target = Target(card, req.get("margin", 0.0), req.get("fraction"))
     sys.stdout = sys.stderr  # the script's prints are not the estimate
-    est, error = trace_script(Path(req["script"]), list(req["args"]), allocator, target, card)
+    est, error = trace_script(
+        Path(req["script"]), list(req["args"]), allocator, target, card, bool(req.get("real"))
+    )
     result = {"estimate": est.to_dict() if est else None, "error": error}
     tmp = Path(req["result"] + ".tmp")
     tmp.write_text(json.dumps(result))

@@ -1,0 +1,206 @@
+"""Fake tensors as a user's script needs them (:mod:`.child` runs the script under them).
+
+* values read from a fake tensor (``loss.item()``, ``bool(t)``) are answered with placeholders
+  (:data:`PLACEHOLDERS`), and where the script first read one is kept (:class:`Reads`);
+* ``module.to(…)`` converts parameters in place as on real tensors
+  (:func:`conversions_in_place`), ``copy.deepcopy`` of a fake tensor clones it
+  (:func:`fake_deepcopy`), and a parameter subclass (bitsandbytes' ``Params4bit``) made of a
+  fake tensor is a fake tensor of its class (:func:`parameter_subclasses`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PLACEHOLDERS",
+    "Reads",
+    "conversions_in_place",
+    "fake_deepcopy",
+    "fake_mode",
+    "parameter_subclasses",
+    "place",
+]
+
+PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake value answers
+
+
+class Reads:
+    """Where the script read a tensor's value (the first place, and how many reads)."""
+
+    def __init__(self, script: Path) -> None:
+        self.script, self.count, self.first = script, 0, ""
+
+    def note(self) -> None:
+        """A read; one torch or bitsandbytes makes itself (an optimizer reading its step count,
+        a quantisation map built) is not noted: those are host values, or do not change what is
+        allocated."""
+        frames = [f for f in traceback.extract_stack()[:-2] if not _machinery(f.filename)]
+        if frames and any(d in frames[-1].filename for d in ("/torch/", "/bitsandbytes/")):
+            return
+        self.count += 1
+        if not self.first:
+            self.first = place(frames, self.script)
+
+
+_MACHINERY = (
+    "/collector/",
+    "/torch/_subclasses/",
+    "/torch/utils/_python_dispatch",
+    "/torch/distributed/_tools/",
+    "/torch/_ops.py",
+    "/torch/overrides.py",
+    "/torch/_tensor.py",
+    "/torch/_tensor_str.py",
+    "/torch/_compile.py",
+    "/torch/_dynamo/",
+)
+
+
+def _machinery(filename: str) -> bool:
+    """A frame of the fake mode, the trackers or a tensor's own formatting, not of a reader."""
+    return any(m in filename for m in _MACHINERY)
+
+
+def place(frames: Any, script: Path) -> str:
+    """``file:line`` of the innermost frame in ``script``, else of the innermost frame outside
+    torch and stepmem."""
+    mine = [f for f in frames if _same(f.filename, script)]
+    if not mine:
+        mine = [
+            f for f in frames if "/torch/" not in f.filename and "/collector/" not in f.filename
+        ]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f"{Path(f.filename).name}:{f.lineno}"
+
+
+def _same(filename: str, script: Path) -> bool:
+    try:
+        return Path(filename).resolve() == script
+    except OSError:
+        return False
+
+
+def fake_mode(reads: Reads) -> Any:
+    """Torch's fake mode, answering a read of a value with a placeholder (:data:`PLACEHOLDERS`)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    scalar = torch.ops.aten._local_scalar_dense.default
+
+    class ScriptFakeMode(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is scalar:
+                reads.note()
+                dtype = args[0].dtype
+                if dtype == torch.bool:
+                    return PLACEHOLDERS["bool"]
+                return PLACEHOLDERS["float" if dtype.is_floating_point else "int"]
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return ScriptFakeMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def conversions_in_place() -> Iterator[None]:
+    """``module.to(…)``, ``.cuda()``, ``.half()`` as they run on real tensors: each parameter's
+    new tensor set as its ``.data``. (On fake tensors torch swaps the parameter objects instead,
+    which fails for any tensor something holds a weak reference to — the tracker does.)"""
+    import torch
+
+    real = torch.nn.Module._apply
+
+    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
+        if recurse:
+            for module in self.children():
+                module._apply(fn)
+        for key, param in self._parameters.items():
+            if param is None:
+                continue
+            with torch.no_grad():
+                applied = fn(param)
+                grad = param.grad
+                grad_applied = fn(grad) if grad is not None else None
+            if applied is not param:
+                if torch._has_compatible_shallow_copy_type(param, applied):
+                    param.data = applied
+                else:
+                    self._parameters[key] = torch.nn.Parameter(applied, param.requires_grad)
+            if grad is not None and grad_applied is not grad:
+                self._parameters[key].grad = grad_applied
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = real
+
+
+@contextlib.contextmanager
+def fake_deepcopy() -> Iterator[None]:
+    """``copy.deepcopy`` of a fake tensor (a logged value, an EMA model's buffers) as a clone:
+    torch's copies the storage, which a fake tensor does not have on its device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(self: Any, memo: dict[int, Any]) -> Any:
+        if id(self) not in memo:
+            out = self.detach().clone()
+            if self.requires_grad:
+                out.requires_grad_(True)
+            memo[id(self)] = out
+        return memo[id(self)]
+
+    real = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if real is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = real
+
+
+@contextlib.contextmanager
+def parameter_subclasses() -> Iterator[None]:
+    """A parameter subclass made of a fake tensor (bitsandbytes' ``Params4bit`` and
+    ``Int8Params``) made as a fake tensor of that class too: the class's own methods run (its
+    ``.to()`` quantises through bitsandbytes' fake kernels, so the packed weight and its
+    quantisation state are laid out by bitsandbytes itself) and the fake mode runs its
+    operators. Torch's ``_make_subclass`` refuses a tensor that is already a fake tensor."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    real = torch.Tensor._make_subclass
+    mixed: dict[type, type] = {}
+
+    def make_subclass(cls: type, data: Any, requires_grad: bool = False, *a: Any, **k: Any) -> Any:
+        if (
+            isinstance(data, FakeTensor)
+            and issubclass(cls, torch.nn.Parameter)
+            and cls is not torch.nn.Parameter
+            and not issubclass(cls, FakeTensor)
+        ):
+            if cls not in mixed:
+                mixed[cls] = type(cls.__name__, (FakeTensor, cls), {"__module__": cls.__module__})
+            out = data.detach()
+            out.requires_grad_(requires_grad)
+            out.__class__ = mixed[cls]
+            return out
+        return real(cls, data, requires_grad, *a, **k)
+
+    torch.Tensor._make_subclass = staticmethod(make_subclass)
+    try:
+        yield
+    finally:
+        torch.Tensor._make_subclass = real
