@@ -36,6 +36,16 @@ __all__ = ["DEFAULT_TIME_LIMIT", "estimate_script"]
 
 DEFAULT_TIME_LIMIT = 900.0  # seconds: a 7B traces in about two minutes on a GPU host
 MAX_RESULT_BYTES = 64 << 20
+# the script's environment under the estimate: the Hub off (nothing is fetched: a hub kernel
+# could not run on fake tensors anyway, and transformers falls back to torch's own), weights
+# loaded in the script's own thread (where the fake mode is)
+SCRIPT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "USE_HUB_KERNELS": "NO",
+    "HF_DEACTIVATE_ASYNC_LOAD": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 KILL_GRACE_S = 3.0
 
 
@@ -78,7 +88,7 @@ def estimate_script(
         raise EstimateError(f"--script {script}: no such file")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_root(), env.get("PYTHONPATH")) if p)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(SCRIPT_ENV)
     env.pop("STEPMEM_ESTIMATE", None)  # the probe's "predicted peak" input, not this
     with tempfile.TemporaryDirectory(prefix="stepmem-estimate-") as tmp:
         result, req = Path(tmp) / "result.json", Path(tmp) / "request.json"

@@ -42,6 +42,7 @@ from collector.estimate.script.fakes import (
     fake_mode,
     parameter_subclasses,
     place,
+    pools_inline,
 )
 from collector.estimate.script.paged import paged_state
 from collector.estimate.script.steps import ScriptSteps
@@ -144,8 +145,8 @@ class _Run:
         self.script, self.cuda, self.device, self.real = script, cuda, device, real
         self.tracker = tracker()
         index_peaks(self.tracker)
-        self.log = None if real else AllocationLog(device, where_now=_where_now(self.tracker))
-        self.live = None if self.log is None else LiveAllocator(self.log, allocator)
+        self.log = AllocationLog(device, where_now=_where_now(self.tracker))
+        self.live = LiveAllocator(self.log, allocator)
         self.steps = ScriptSteps(self.tracker, self.log, device, live=self.live)
         choose = cuda_rules.dispatcher_choice(device) if cuda else cuda_rules.rules_choice
         self.attention = cuda_rules.CudaAttention(None, choose)
@@ -155,49 +156,49 @@ class _Run:
 
     def on_autocast(self, dtype: Any, stack: contextlib.ExitStack) -> None:
         """The script's first CUDA autocast: its dtype for the attention's inputs; on the CPU
-        stand-in, CUDA's cast lists installed for it."""
+        stand-in, CUDA's cast lists installed for it (not on real tensors: CUDA's kernels are
+        not the CPU's)."""
         self.attention.autocast_dtype = dtype
-        if not self.cuda:
+        if not self.cuda and not self.real:
             stack.enter_context(cuda_rules.cuda_autocast(dtype))
 
     def run(self, args: list[str], card: Any) -> None:
         with contextlib.ExitStack() as st:
             st.enter_context(quiet())
+            if not self.real:  # CUDA's kernels, on fake tensors
+                st.enter_context(self.attention)
+                if not self.cuda:
+                    st.enter_context(cuda_rules.cuda_dropout())
+            st.enter_context(
+                cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
+            )
             if not self.real:
-                self._fake_parts(st, card)
+                self._fakes(st)
+            st.enter_context(self.log.resizes())
+            st.enter_context(self.log.streams_followed(self.cuda))
+            st.enter_context(self.log.mode())
             st.enter_context(self.tracker)
             st.enter_context(paged_state(self.tracker, self.log))
-            if self.live is not None:
-                st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
+            st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
             roots = _Roots()
             self.steps.roots = roots.found
             st.callback(roots.close)
             st.callback(marks.listen, None)
             marks.listen(self.steps)
-            if self.log is not None:
-                self.log.mark("build")
+            self.log.mark("build")
             self._run_script(args)
             if not self.steps.models:
                 self.steps.models = roots.found[:1]
             self._drop_step_counters()
 
-    def _fake_parts(self, st: contextlib.ExitStack, card: Any) -> None:
-        """Fake tensors and what a script needs of them, CUDA's rules, the allocation log."""
-        assert self.log is not None
-        st.enter_context(self.attention)
-        if not self.cuda:
-            st.enter_context(cuda_rules.cuda_dropout())
-        st.enter_context(
-            cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
-        )
+    def _fakes(self, st: contextlib.ExitStack) -> None:
+        """Fake tensors and what a script needs of them (:mod:`.fakes`), weights as shapes."""
         st.enter_context(fake_mode(self.reads))
         st.enter_context(conversions_in_place())
         st.enter_context(fake_deepcopy())
         st.enter_context(parameter_subclasses())
         st.enter_context(headers_only())
-        st.enter_context(self.log.resizes())
-        st.enter_context(self.log.streams_followed(self.cuda))
-        st.enter_context(self.log.mode())
+        st.enter_context(pools_inline())
 
     def _run_script(self, args: list[str]) -> None:
         try:
@@ -221,8 +222,7 @@ class _Run:
         if self.cuda:
             return
         counters = [c for opt in list(self.steps.optimizers) for c in step_counters(opt)]
-        if self.log is not None:
-            self.log.drop({k for k in map(self.log.key_of, counters) if k is not None})
+        self.log.drop({k for k in map(self.log.key_of, counters) if k is not None})
         n = sum(c.numel() * c.element_size() for c in counters)
         for d in (*self.steps.per_step, self.steps.at_end):
             if n and d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
@@ -264,8 +264,8 @@ def trace_script(
 ) -> tuple[Estimate | None, str]:
     """Run ``script`` with ``args`` under the estimate; its estimate (None: no step traced)
     and the error that stopped it early ("" when none did). ``real``: the same steps traced on
-    real tensors (the tests hold the fake trace to it): no fake mode, no CUDA stand-in, no
-    allocator model."""
+    real tensors (the tests hold the fake trace to it): without the fake mode and CUDA's
+    kernels' rules; without a GPU, CUDA still stood in for by the CPU."""
     build.offline()
     import torch
 
@@ -288,8 +288,7 @@ def trace_script(
             else f"{script.name}: stopped before its first probe step ended"
         )
     out = _result(run, args, time.monotonic() - t0)
-    if run.log is not None:
-        hold_steps(out, run.log, allocator, target)
+    hold_steps(out, run.log, allocator, target)
     return out, run.error
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "fake_mode",
     "parameter_subclasses",
     "place",
+    "pools_inline",
 ]
 
 PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake value answers
@@ -92,10 +93,22 @@ def fake_mode(reads: Reads) -> Any:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    scalar = torch.ops.aten._local_scalar_dense.default
+    aten = torch.ops.aten
+    scalar = aten._local_scalar_dense.default
 
     class ScriptFakeMode(FakeTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is aten._to_copy.default and args[0].device.type == "meta":
+                dev = kwargs.get("device")
+                if dev is not None and torch.device(dev).type != "meta":  # weights, loaded
+                    x = args[0]
+                    made = {"dtype": kwargs.get("dtype") or x.dtype, "device": dev}
+                    return super().__torch_dispatch__(
+                        aten.empty_strided.default, types, (x.shape, x.stride()), made
+                    )
+            if func is aten.copy_.default and args[1].device.type == "meta":
+                return args[0]  # a weight copied in: the destination holds it already
             if func is scalar:
                 reads.note()
                 dtype = args[0].dtype
@@ -204,3 +217,27 @@ def parameter_subclasses() -> Iterator[None]:
         yield
     finally:
         torch.Tensor._make_subclass = real
+
+
+@contextlib.contextmanager
+def pools_inline() -> Iterator[None]:
+    """Work handed to a thread pool (transformers loads weights on four threads) run at once in
+    the thread that hands it over: torch's modes — the fake one, the tracker, the allocation
+    log — are per thread, and a pool thread would make real tensors no one counts."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    real = ThreadPoolExecutor.submit
+
+    def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    ThreadPoolExecutor.submit = submit
+    try:
+        yield
+    finally:
+        ThreadPoolExecutor.submit = real
