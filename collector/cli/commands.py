@@ -410,10 +410,10 @@ def _cmd_estimate_script(ns: argparse.Namespace, prog: str, out: Path | None) ->
         if out is not None:
             write_output(out, data + "\n", "--out", prog)
             print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
-    if error:
+    if error:  # 1: the estimate above is of the steps traced before it; 2: there is none
         kept = " (the estimate above holds the steps traced before it)" if est else ""
         print(f"{prog}: {error}{kept}", file=sys.stderr)
-        return 1
+        return 1 if est is not None else 2
     return 0
 
 

@@ -5,15 +5,26 @@ parameter of a module it sees run forward, and ``register_hook`` raises on a ten
 not require a gradient: a model with frozen parameters (LoRA's base, a 4-bit QLoRA base) stops
 it at its first forward (``RuntimeError: cannot register a hook on a tensor that doesn't require
 gradient``; torch 2.11–2.13). :func:`tracker` gives torch's tracker, which files frozen
-parameters as parameters like the rest and hooks only those that get gradients — the one
-difference.
+parameters as parameters like the rest and hooks only those that get gradients, and leaves out
+storages marked as CUDA managed memory (:data:`MANAGED`: a paged optimizer's state, which torch's
+pool never holds).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["tracker"]
+__all__ = ["managed", "tracker"]
+
+MANAGED = "_stepmem_managed"  # a storage's mark: CUDA managed memory, outside torch's pool
+
+
+def managed(t: Any) -> bool:
+    """Whether ``t``'s storage is marked as managed memory (never counted as the device's)."""
+    try:
+        return bool(getattr(t.untyped_storage(), MANAGED, False))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
 
 
 class _NoHook:
@@ -36,5 +47,16 @@ def tracker() -> Any:
                 if not p.requires_grad and handles.get(p, None) is None:
                     handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _track(self, reftype: Any, t: Any) -> None:
+            if not managed(t):
+                super()._track(reftype, t)
+
+        def _update_and_maybe_create_winfos(
+            self, t: Any, reftype: Any, update_existing: bool = False
+        ) -> set[Any]:
+            if managed(t):
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     return FrozenAwareMemTracker()

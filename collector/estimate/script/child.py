@@ -178,7 +178,8 @@ class _Run:
             st.enter_context(self.log.streams_followed(self.cuda))
             st.enter_context(self.log.mode())
             st.enter_context(self.tracker)
-            st.enter_context(paged_state(self.tracker, self.log))
+            if not self.real:  # on real CPU tensors bitsandbytes keeps paged state on the device
+                st.enter_context(paged_state(self.tracker, self.log))
             st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
             roots = _Roots()
             self.steps.roots = roots.found

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from collector.estimate.sequence import AllocationLog
+from collector.estimate.tracker import MANAGED
 
 __all__ = ["PAGED_MIN", "paged_state"]
 
@@ -26,7 +27,9 @@ def _uncounted(t: Any, tracker: Any, log: AllocationLog | None) -> None:
     """``t``'s storage out of the tracker's figures and the allocation log."""
     from torch.distributed._tools.mem_tracker import _UpdateType
 
-    winfo, _ = tracker._WINFO.pop(t.untyped_storage(), (None, None))
+    st = t.untyped_storage()
+    setattr(st, MANAGED, True)  # the tracker files it no more (collector.estimate.tracker)
+    winfo, _ = tracker._WINFO.pop(st, (None, None))
     if winfo is not None and winfo.mem_consumed > 0:
         tracker._update_snap(_UpdateType.DEL, winfo)
         winfo.mem_consumed = 0  # its finaliser subtracts nothing again

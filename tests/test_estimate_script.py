@@ -1,0 +1,215 @@
+"""`stepmem estimate --script`: users' own scripts, unchanged, estimated on fake tensors (CPU).
+
+The scripts are the H200 validation's own (``benchmarks/scripts``) at a tiny size: the README's
+example, a plain ``adamw_torch`` loop, an HF Trainer, a Lightning ``fit``, QLoRA (4-bit base, peft
+adapters, 8-bit and paged 8-bit AdamW). Each is held to the same script traced on real CPU
+tensors under torch's memory tracker: parameters, gradients and optimizer state equal to the
+byte."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collector.estimate.script import estimate_script
+from collector.model.errors import EstimateError
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "benchmarks" / "scripts"
+HELD = ("parameters", "gradients", "optimizer_state")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama as a local model folder (config.json and safetensors of zeros)."""
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "make_model.py"), "tiny", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
+def _cli(*argv: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collector.cli", "estimate", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        ("readme_train", []),
+        ("plain_adamw", []),
+        ("hf_trainer", []),
+        ("lightning_fit", []),
+        ("qlora", ["--optim", "adamw_8bit"]),
+        ("qlora", ["--optim", "adamw_torch", "--rank", "8"]),
+    ],
+)
+def test_a_script_on_fake_tensors_equals_it_on_real_tensors(model_dir, script, args):
+    """Parameters (a 4-bit base's packed weights and quantisation state included), gradients and
+    optimizer state, for both steps' peaks and what stays: the fake trace equals the real one."""
+    path = SCRIPTS / f"{script}.py"
+    fake, error = estimate_script(path, [str(model_dir), *args])
+    assert not error and fake is not None, error
+    real, error = estimate_script(path, [str(model_dir), *args], real=True)
+    assert not error and real is not None, error
+    for kind in HELD:
+        assert fake.first.get(kind) == real.first.get(kind), kind
+        assert fake.steady.get(kind) == real.steady.get(kind), kind
+        assert fake.at_end.get(kind) == real.at_end.get(kind), kind
+    assert fake.at_end["parameters"] > 0 and fake.at_end["optimizer_state"] > 0
+    assert fake.stand_in and fake.spec["script"] == path.name and fake.steps
+    assert fake.parameters_count == real.parameters_count > 0
+
+
+def test_qlora_lays_out_bitsandbytes_4bit_weights_as_bitsandbytes_does(model_dir):
+    """The tiny model's seven projections a layer in NF4 with double quantisation: half a byte a
+    weight, one uint8 absmax per 64, a float32 absmax per 256 of those and the maps — the
+    parameters figure is those, the float32 embedding and head (kbit preparation casts them), the
+    norms and the adapters."""
+    from collector.estimate.spec import SHAPES
+
+    est, error = estimate_script(SCRIPTS / "qlora.py", [str(model_dir), "--optim", "adamw_torch"])
+    assert not error, error
+    s = SHAPES["tiny"]
+    h, i, v, layers = (s[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                      "num_hidden_layers"))  # fmt: skip
+    weights = layers * (4 * h * h + 3 * h * i)
+    r = 16  # the script's default rank: A (r × in) and B (out × r), float32, for each projection
+    adapters = 4 * layers * r * (4 * (h + h) + 2 * (h + i) + (i + h))
+    norms = 4 * h * (2 * layers + 1)
+    embed_head = 2 * 4 * v * h
+    packed = weights // 2
+    absmax = weights // 64
+    known = packed + absmax + adapters + norms + embed_head
+    # what is left is double quantisation's own: per quantised weight, a float32 absmax per 256
+    # absmax blocks, the 256-entry float32 dynamic map, the offset and the 16-entry NF4 code
+    left = est.at_end["parameters"] - known
+    assert 0 < left < layers * 7 * (4 * 4 + 256 * 4 + 4 + 16 * 4), left
+    assert est.steady["optimizer_state"] == 2 * adapters  # AdamW: two float32 moments
+
+
+def test_paged_state_is_managed_memory_outside_torchs_pool(tmp_path):
+    """A paged 8-bit AdamW: state of a tensor of 10^5 elements or more is predicted as managed
+    memory (NVML counts it, torch never does); the rest stays on the device — and together they
+    are what the same optimizer holds on real tensors (where the CPU keeps it all)."""
+    script = tmp_path / "paged.py"
+    script.write_text(
+        "import torch, bitsandbytes as bnb\n"
+        "from collector.probe.core import StepProbe\n"
+        "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 16)).to(dev)\n"
+        "opt = bnb.optim.PagedAdamW8bit(m.parameters(), lr=1e-3)\n"
+        "probe = StepProbe().watch(m, opt)\n"
+        "for i in range(3):\n"
+        "    with probe.step(i):\n"
+        "        m(torch.randn(8, 512, device=dev)).sum().backward()\n"
+        "        opt.step()\n"
+        "        opt.zero_grad()\n"
+    )
+    fake, error = estimate_script(script, [])
+    assert not error, error
+    real, error = estimate_script(script, [], real=True)
+    assert not error, error
+    assert fake.optimizer_state_managed == 2 * 512 * 256  # uint8 state1 and state2
+    state = "optimizer_state"
+    assert fake.at_end[state] + fake.optimizer_state_managed == real.at_end[state]
+    assert real.optimizer_state_managed == 0
+
+
+def test_a_script_printing_torchs_counters_prints_the_estimates_figures(model_dir):
+    """``torch.cuda.memory_allocated``/``max_memory_allocated``/``memory_reserved`` in the script
+    are answered from the allocator model: what plain_adamw.py prints after its first step is
+    the estimate's step-1 end figure."""
+    r = _cli("--script", str(SCRIPTS / "plain_adamw.py"), "--json", "--", str(model_dir))
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    printed = re.search(r"step 0: loss [\d.]+ allocated ([\d.]+) GiB", r.stderr)
+    assert printed, r.stderr
+    assert float(printed.group(1)) == round(est["steps"][0]["allocated_end"] / 2**30, 2)
+    assert est["steps"][0]["allocated_end"] > est["at_end"]["parameters"]
+
+
+def test_the_cli_prints_the_estimate_and_writes_it(model_dir, tmp_path):
+    out = tmp_path / "est.json"
+    r = _cli("--script", str(SCRIPTS / "hf_trainer.py"), "--out", str(out), "--", str(model_dir))
+    assert r.returncode == 0, r.stderr
+    assert "script hf_trainer.py" in r.stdout and "What the GPU will hold" in r.stdout
+    saved = json.loads(out.read_text())
+    assert saved["spec"]["workload"] == "script" and saved["spec"]["optim"] == "AdamW"
+
+
+def test_a_line_fake_tensors_cannot_run_is_named(tmp_path, record_fault):
+    """A data-dependent shape in the script's step: its file and line, the steps before it kept,
+    exit 1."""
+    script = tmp_path / "picky.py"
+    script.write_text(
+        "import torch\n"
+        "from collector.probe.core import StepProbe\n"
+        "m = torch.nn.Linear(8, 8).cuda()\n"
+        "opt = torch.optim.AdamW(m.parameters())\n"
+        "probe = StepProbe().watch(m, opt)\n"
+        "for i in range(3):\n"
+        "    with probe.step(i):\n"
+        "        x = m(torch.randn(4, 8, device='cuda'))\n"
+        "        if i == 1:\n"
+        "            x = x[torch.nonzero(x > 0)[:, 0]]  # how many rows: only the data knows\n"
+        "        x.sum().backward()\n"
+        "        opt.step()\n"
+    )
+    r = _cli("--script", str(script), cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("stepmem estimate: picky.py:10: cannot run on fake tensors"), last
+    assert "Estimate:" in r.stdout and "Stopped at picky.py:10" in r.stdout
+    record_fault(
+        "bad input: a script fake tensors cannot run (torch.nonzero in its second step)",
+        last[:160],
+        exit_code=1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "argv", "says", "code"),
+    [
+        ("print('no probe here')\n", [], "ran to its end without a probe step", 2),
+        ("raise ValueError('bad data path')\n", [], "picky.py:1: the script raised: ValueError", 2),
+        ("import sys\nsys.exit(3)\n", [], "the script exited with status 3", 2),
+        ("import time\nwhile True:\n    time.sleep(0.05)\n", ["--time-limit", "3"], "in 3 s", 2),
+        ("", ["--optim", "adamw_torch"], "drop --optim", 2),
+    ],
+)
+def test_a_script_that_cannot_be_estimated_says_why_in_one_line(
+    tmp_path, body, argv, says, code, record_fault
+):
+    script = tmp_path / "picky.py"
+    script.write_text(body)
+    r = _cli("--script", str(script), *argv, cwd=tmp_path)
+    assert r.returncode == code, r.stdout + r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("stepmem estimate")]
+    assert len(lines) == 1 and says in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    record_fault(f"bad input: stepmem estimate --script ({says})", lines[0][:160], exit_code=code)
+
+
+def test_script_arguments_without_a_script_are_refused():
+    r = _cli("--size", "tiny", "--", "--lr", "1")
+    assert r.returncode == 2 and "are for --script" in r.stderr, r.stderr
+
+
+def test_a_missing_script_is_an_estimate_error(tmp_path):
+    with pytest.raises(EstimateError, match="no such file"):
+        estimate_script(tmp_path / "absent.py", [])
