@@ -213,3 +213,31 @@ def test_script_arguments_without_a_script_are_refused():
 def test_a_missing_script_is_an_estimate_error(tmp_path):
     with pytest.raises(EstimateError, match="no such file"):
         estimate_script(tmp_path / "absent.py", [])
+
+
+def test_the_lora_flags_give_what_the_qlora_script_gives(model_dir):
+    """``--size tiny --lora-r 16 --load-in-4bit --optim adamw_8bit`` and the QLoRA script on the
+    same shape, as saved: the same parameters (packed weights, quantisation state, float32
+    embedding, head, norms, adapters) and the same optimizer state, to the byte."""
+    from collector.estimate import Spec, estimate
+
+    flags = estimate(
+        Spec(size="tiny", seq_len=64, batch=2, lora_r=16, load_in_4bit=True, optim="adamw_8bit")
+    )
+    script, error = estimate_script(SCRIPTS / "qlora.py", [str(model_dir), "--optim", "adamw_8bit"])
+    assert not error, error
+    for kind in ("parameters", "optimizer_state"):
+        assert flags.at_end[kind] == script.at_end[kind], kind
+    assert flags.spec["lora_r"] == 16 and flags.spec["load_in_4bit"]
+
+
+def test_lora_on_fake_tensors_equals_lora_on_real_tensors():
+    """A 4-bit base with adapters traced by ``--config``'s path: every category of both steps,
+    fake against real CPU tensors (bitsandbytes quantises on the CPU for real)."""
+    from collector.estimate import Spec, estimate
+
+    spec = Spec(size="tiny", seq_len=32, lora_r=8, load_in_4bit=True, checkpointing=False)
+    fake, real = estimate(spec), estimate(spec, fake=False)
+    for kind in HELD:
+        assert fake.steady[kind] == real.steady[kind], kind
+        assert fake.at_end.get(kind) == real.at_end.get(kind), kind

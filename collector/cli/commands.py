@@ -246,6 +246,11 @@ def _estimate_spec(ns: argparse.Namespace, gpu: bool):  # -> Spec
         config=read_config(ns.config) if ns.config is not None else None,
         bf16=False if ns.fp32 else None,
         checkpointing=False if ns.no_checkpointing else None,
+        lora_r=ns.lora_r,
+        lora_targets=tuple(t.strip() for t in ns.lora_targets.split(",") if t.strip())
+        if ns.lora_targets
+        else None,
+        load_in_4bit=True if ns.load_in_4bit else None,
     )
     if dist:
         given.update(shard=ns.shard, world_size=ns.world_size)
@@ -301,6 +306,9 @@ _SCRIPT_DECIDES = (  # what a script sets itself: flags --script refuses
     ("fp32", "--fp32"),
     ("max_batch", "--max-batch"),
     ("max_seq_len", "--max-seq-len"),
+    ("lora_r", "--lora-r"),
+    ("lora_targets", "--lora-targets"),
+    ("load_in_4bit", "--load-in-4bit"),
 )
 
 

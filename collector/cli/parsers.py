@@ -302,6 +302,29 @@ def _fit_flags(e) -> None:
     )
 
 
+def _lora_flags(e) -> None:
+    """LoRA and QLoRA for a model named by --size/--config."""
+    e.add_argument(
+        "--lora-r",
+        type=args.positive_int,
+        metavar="R",
+        help="train peft LoRA adapters of rank R on a frozen base (their gradients and optimizer "
+        "state only)",
+    )
+    e.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated modules LoRA adapts (default: every projection, q_proj,k_proj,"
+        "v_proj,o_proj,gate_proj,up_proj,down_proj)",
+    )
+    e.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA's base: bitsandbytes NF4 with double quantisation, bf16 compute (with "
+        "--lora-r)",
+    )
+
+
 def _script_flags(e, model) -> None:
     """``stepmem estimate --script``'s flags (``model``: the group of ways to name a model)."""
     model.add_argument(
@@ -387,6 +410,7 @@ def _estimate_parser(sub) -> None:
         help="micro-batches a step (default: 2 for finetune, 1 for distributed)",
     )
     e.add_argument("--no-checkpointing", action="store_true", help="without gradient checkpointing")
+    _lora_flags(e)
     e.add_argument("--fp32", action="store_true", help="without bf16 autocast")
     _script_flags(e, model)
     _fit_flags(e)

@@ -47,9 +47,20 @@ def offline() -> None:
         hub.HF_HUB_OFFLINE = True
 
 
-def build_model(spec: Spec) -> Any:
+def build_model(spec: Spec, device: Any = None) -> Any:
     """``spec``'s model (a Hugging Face config's, or a built-in Llama shape), with the Hub
-    off (:func:`offline`)."""
+    off (:func:`offline`); a 4-bit base and LoRA adapters as ``spec`` asks
+    (:mod:`collector.estimate.lora`)."""
+    model = _base_model(spec)
+    if spec.lora_r or spec.load_in_4bit:
+        from collector.estimate.lora import DEFAULT_TARGETS, adapt
+
+        targets = tuple(spec.lora_targets) or DEFAULT_TARGETS
+        model = adapt(model, device, spec.lora_r, targets, spec.load_in_4bit)
+    return model
+
+
+def _base_model(spec: Spec) -> Any:
     offline()
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 

@@ -26,8 +26,14 @@ def _what(est: Estimate) -> str:
             f"{est.subject}{' ' + args[:120] if args else ''}, optimizer {s.get('optim')}, "
             f"through its probe steps {', '.join(map(str, s.get('steps') or []))}"
         )
+    adapted = ""
+    if s.get("load_in_4bit"):
+        adapted += ", 4-bit NF4 base"
+    if s.get("lora_r"):
+        targets = ",".join(s.get("lora_targets") or []) or "every projection"
+        adapted += f", LoRA r={s['lora_r']} on {targets}"
     return (
-        f"{s['optim']}, batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
+        f"{s['optim']}{adapted}, batch {s['batch']} × {s['seq_len']} tokens, {s['grad_accum']} "
         f"micro-batch{'es' if s['grad_accum'] > 1 else ''} a step"
         f"{', checkpointing' if s['checkpointing'] else ''}{', bf16 autocast' if s['bf16'] else ''}"
     )

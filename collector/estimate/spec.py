@@ -66,6 +66,7 @@ SHAPES: dict[str, dict[str, int]] = {
 MAX_WORLD = 1 << 16
 MAX_SEQ = 1 << 20
 MAX_ACCUM = 4096  # micro-batches a step
+MAX_LORA_R = 4096
 MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is a few KiB
 
 
@@ -85,6 +86,9 @@ class Spec:
     shard: str = "none"  # "fsdp2": every decoder layer and the root fully_shard-ed
     world_size: int = 1  # ranks the model is sharded over (one rank is estimated)
     keep_grads: bool = False  # zero_grad(set_to_none=False): gradients stay between steps
+    lora_r: int = 0  # peft LoRA adapters of this rank (0: none; the base trains)
+    lora_targets: tuple[str, ...] = ()  # the modules adapted (empty: every projection)
+    load_in_4bit: bool = False  # bitsandbytes NF4 base with double quantisation (QLoRA)
 
     @classmethod
     def for_machine(cls, gpu: bool, workload: str = "finetune", **given: Any) -> Spec:
@@ -157,6 +161,13 @@ class Spec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
                 raise EstimateError(f"{name} must be a whole number from 1 to {top:,}")
+        r = self.lora_r
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_LORA_R:
+            raise EstimateError(f"lora_r must be a whole number from 0 to {MAX_LORA_R}")
+        if (self.lora_r or self.load_in_4bit) and self.shard != "none":
+            raise EstimateError("LoRA and 4-bit bases under FSDP2 are not modelled")
+        if self.lora_targets and not self.lora_r:
+            raise EstimateError("--lora-targets needs --lora-r")
         if self.config is None and self.size is None:
             raise EstimateError("a model: a built-in size or a Hugging Face config")
         if self.config is None and self.size not in SHAPES:

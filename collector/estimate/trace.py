@@ -52,8 +52,15 @@ import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
 from collector.estimate.allocator import AllocatorConfig
 from collector.estimate.fit import Target, hold
+from collector.estimate.script.fakes import (
+    Reads,
+    conversions_in_place,
+    fake_mode,
+    parameter_subclasses,
+)
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
+from collector.estimate.tracker import file_quantisation_state
 from collector.estimate.tracker import tracker as memory_tracker
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 from collector.model.prediction import Estimate, ModulePeak
@@ -270,6 +277,7 @@ def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
     else:
         tracker = memory_tracker()
         tracker.track_external(model, opt)
+        file_quantisation_state(tracker, [model])
     index_peaks(tracker)
     return tracker
 
@@ -418,7 +426,6 @@ def estimate(
     ``PYTORCH_CUDA_ALLOC_CONF``'s); ``target``: the GPU the step is held against (whether it fits,
     and where it would first run out)."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec.validate()
     allocator = allocator if allocator is not None else AllocatorConfig.from_env()
@@ -428,7 +435,8 @@ def estimate(
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     notes = _notes(spec, cuda)
     mesh = build.fake_group(spec.world_size, device) if spec.shard == "fsdp2" else None
-    mode = FakeTensorMode(allow_non_fake_inputs=False) if fake else contextlib.nullcontext()
+    # values read (bitsandbytes building its quantisation maps) answered with placeholders
+    mode = fake_mode(Reads(), allow_real=False) if fake else contextlib.nullcontext()
     t = _Trace()
     stack: list[_Stack] = []
     if fake:
@@ -437,6 +445,8 @@ def estimate(
         attention = _cuda_rules(spec, cuda, device, more) if fake else None
         if fake:
             more.enter_context(build.unpacked_inputs())
+            more.enter_context(parameter_subclasses())  # bitsandbytes' 4-bit weights
+            more.enter_context(conversions_in_place())  # peft's adapters moved with .to()
             if mesh is not None:
                 more.enter_context(build.own_propagation_mode())
         if t.log is not None:
@@ -446,7 +456,7 @@ def estimate(
             t.log.mark("build")
         say("building the model on fake tensors")
         with torch.device(device):
-            model = build_model() if build_model is not None else build.build_model(spec)
+            model = build_model() if build_model is not None else build.build_model(spec, device)
         _prepare(spec, model, mesh)
         opt = build.optimizer(spec, model)
         n_params = sum(p.numel() for p in model.parameters())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["managed", "tracker"]
+__all__ = ["file_quantisation_state", "managed", "tracker"]
 
 MANAGED = "_stepmem_managed"  # a storage's mark: CUDA managed memory, outside torch's pool
 
@@ -60,3 +60,36 @@ def tracker() -> Any:
             return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     return FrozenAwareMemTracker()
+
+
+def _quantisation_tensors(weight: Any) -> list[Any]:
+    """The tensors of a bitsandbytes weight's quantisation state (4-bit ``quant_state``, with
+    its nested ``state2``; 8-bit ``SCB``)."""
+    import torch
+
+    out = []
+    qs = getattr(weight, "quant_state", None)
+    for state in (qs, getattr(qs, "state2", None)):
+        for name in ("absmax", "code", "offset"):
+            t = getattr(state, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    scb = getattr(weight, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out
+
+
+STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady one
+
+
+def file_quantisation_state(tracker: Any, models: list[Any]) -> None:
+    """A quantised weight's state (bitsandbytes' 4-bit ``absmax``, its nested absmax and maps;
+    8-bit ``SCB``) is part of the weight: filed as parameters (the tracker would take them for
+    activations, made outside a module's pass, or not see them at all, made before it)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    for model in models:
+        for module in model.modules():
+            for t in _quantisation_tensors(getattr(module, "weight", None)):
+                tracker._update_and_maybe_create_winfos(t, _MemRefType.PARAM)

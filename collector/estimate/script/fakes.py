@@ -33,7 +33,7 @@ PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake 
 class Reads:
     """Where the script read a tensor's value (the first place, and how many reads)."""
 
-    def __init__(self, script: Path) -> None:
+    def __init__(self, script: Path | None = None) -> None:
         self.script, self.count, self.first = script, 0, ""
 
     def note(self) -> None:
@@ -88,7 +88,7 @@ def _same(filename: str, script: Path) -> bool:
         return False
 
 
-def fake_mode(reads: Reads) -> Any:
+def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
     """Torch's fake mode, answering a read of a value with a placeholder (:data:`PLACEHOLDERS`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -117,7 +117,7 @@ def fake_mode(reads: Reads) -> Any:
                 return PLACEHOLDERS["float" if dtype.is_floating_point else "int"]
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    return ScriptFakeMode(allow_non_fake_inputs=True)
+    return ScriptFakeMode(allow_non_fake_inputs=allow_real)
 
 
 @contextlib.contextmanager

@@ -16,30 +16,12 @@ from typing import Any
 
 from collector.estimate.sequence import AllocationLog
 from collector.estimate.trace import module_peaks, parts_of
+from collector.estimate.tracker import file_quantisation_state
 from collector.model.kinds import MemoryKind
 from collector.model.marks import TraceDone
 from collector.model.prediction import ModulePeak
 
 __all__ = ["STEPS_TRACED", "ScriptSteps"]
-
-
-def _quantisation_tensors(weight: Any) -> list[Any]:
-    """The tensors of a bitsandbytes weight's quantisation state (4-bit ``quant_state``, with
-    its nested ``state2``; 8-bit ``SCB``)."""
-    import torch
-
-    out = []
-    qs = getattr(weight, "quant_state", None)
-    for state in (qs, getattr(qs, "state2", None)):
-        for name in ("absmax", "code", "offset"):
-            t = getattr(state, name, None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    scb = getattr(weight, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        out.append(scb)
-    return out
-
 
 STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady one
 
@@ -170,12 +152,7 @@ class ScriptSteps:
         """A quantised weight's state (bitsandbytes' 4-bit ``absmax``, its nested absmax and
         maps; 8-bit ``SCB``) is part of the weight: filed as parameters, not as the
         activations the tracker takes any tensor made outside a module's pass for."""
-        from torch.distributed._tools.mem_tracker import _MemRefType
-
-        for model in self.models or self.roots:
-            for module in model.modules():
-                for t in _quantisation_tensors(getattr(module, "weight", None)):
-                    self.tracker._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+        file_quantisation_state(self.tracker, self.models or self.roots)
 
     def _peak_total(self) -> int:
         return sum(parts_of(self.tracker.get_tracker_snapshot("peak"), self.device).values())
