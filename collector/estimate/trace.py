@@ -557,7 +557,7 @@ def _result(
     if spec.keep_grads:
         resident += (MemoryKind.GRADIENTS,)
     return Estimate(
-        spec=asdict(spec),
+        spec={**asdict(spec), "lora_targets": list(spec.lora_targets)},  # as JSON has it
         device=str(device),
         stand_in=not cuda,
         parameters_count=n_params,
