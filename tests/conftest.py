@@ -9,6 +9,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# loopback only: the Hugging Face Hub (and the hub kernels bitsandbytes' CPU ops look for) off
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Single-machine Ray on loopback: without this, Ray swaps 127.0.0.1 for the machine's outward
 # address (its "remotely reachable" IP) and its agents listen and are reached there.
