@@ -245,7 +245,12 @@ modelled:
   roundup_power2_divisions, garbage_collection_threshold, expandable_segments, a second
   stream's pool, retries and out of memory); FSDP2 shards, one rank; NVML = reserved + the
   process's memory outside torch (measured per GPU model; devices --calibrate for yours) +
-  paged optimizer state.
+  paged optimizer state. LoRA adapters and bitsandbytes 4-bit bases (--lora-r, --load-in-4bit,
+  or a script's own).
+your own script:
+  stepmem estimate --script train.py --out est.json -- --its --args
+  runs it unchanged on fake tensors to the end of its second probe step (exit 1: stopped early,
+  the steps before printed; exit 2: no step traced).
 not modelled:
   other processes on the GPU; kernels' internal workspaces other than cuBLAS's (cuDNN, NCCL's
   buffers beyond the calibrated figure); CUDA graphs; data-dependent shapes (the trace stops
