@@ -9,6 +9,7 @@
 # `stepmem report RUN --estimate EST` between them is run here, off the GPU (benchmarks/results/
 # scripts/README.md has the commands). Results as $OUT/scripts.tar.gz.
 #   device run (carry .bundle):  bash benchmarks/device/h200_scripts.sh
+#   (ONLY=estimates: part 1 alone)
 source benchmarks/device/bundle.sh
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT_ALL=$OUT; OUT=$OUT/scripts; mkdir -p "$OUT/est" "$OUT/logs"
@@ -38,6 +39,9 @@ for row in "${ROWS[@]}"; do
 done
 wait
 say "== estimates (side by side): $(( SECONDS - t0 )) s"
+if [ "${ONLY:-}" = estimates ]; then  # the runs measured already (a call of their own)
+  tar czf "$OUT_ALL/scripts.tar.gz" -C "$OUT_ALL" scripts; exit 0
+fi
 ray_head "$OUT/logs/ray_start.log"
 for row in "${ROWS[@]}"; do
   set -- $row; name=$1 script=$2 model=$3; shift 3

@@ -55,6 +55,7 @@ from collector.estimate.fit import Target, hold
 from collector.estimate.script.fakes import (
     Reads,
     conversions_in_place,
+    data_follows_device,
     fake_mode,
     parameter_subclasses,
 )
@@ -447,6 +448,7 @@ def estimate(
             more.enter_context(build.unpacked_inputs())
             more.enter_context(parameter_subclasses())  # bitsandbytes' 4-bit weights
             more.enter_context(conversions_in_place())  # peft's adapters moved with .to()
+            more.enter_context(data_follows_device())
             if mesh is not None:
                 more.enter_context(build.own_propagation_mode())
         if t.log is not None:

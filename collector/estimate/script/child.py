@@ -38,6 +38,7 @@ from collector.estimate.script.fakes import (
     PLACEHOLDERS,
     Reads,
     conversions_in_place,
+    data_follows_device,
     fake_deepcopy,
     fake_mode,
     parameter_subclasses,
@@ -196,6 +197,7 @@ class _Run:
         """Fake tensors and what a script needs of them (:mod:`.fakes`), weights as shapes."""
         st.enter_context(fake_mode(self.reads))
         st.enter_context(conversions_in_place())
+        st.enter_context(data_follows_device())
         st.enter_context(fake_deepcopy())
         st.enter_context(parameter_subclasses())
         st.enter_context(headers_only())

@@ -20,6 +20,7 @@ __all__ = [
     "PLACEHOLDERS",
     "Reads",
     "conversions_in_place",
+    "data_follows_device",
     "fake_deepcopy",
     "fake_mode",
     "parameter_subclasses",
@@ -107,6 +108,10 @@ def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
                     return super().__torch_dispatch__(
                         aten.empty_strided.default, types, (x.shape, x.stride()), made
                     )
+            if func in (aten._pin_memory.default, aten.pin_memory.default):
+                return args[0]  # pinned host memory: not the GPU's (a DataLoader's pin thread)
+            if func is aten.is_pinned.default:
+                return False
             if func is aten.copy_.default and args[1].device.type == "meta":
                 return args[0]  # a weight copied in: the destination holds it already
             if func is scalar:
@@ -241,3 +246,34 @@ def pools_inline() -> Iterator[None]:
         yield
     finally:
         ThreadPoolExecutor.submit = real
+
+
+@contextlib.contextmanager
+def data_follows_device() -> Iterator[None]:
+    """``t.data = other`` on a fake tensor takes ``other``'s device too, as on real tensors: a
+    fake tensor keeps its device in a Python attribute the C++ setter does not touch, so a
+    parameter moved by ``.data =`` (``module.to("cuda")``, bitsandbytes quantising a weight on
+    the GPU) would still say it is on the CPU, and the next operator would mix devices."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    base = torch._C.TensorBase.data
+
+    def get(self: Any) -> Any:
+        return base.__get__(self, type(self))
+
+    def set_(self: Any, new: Any) -> None:
+        base.__set__(self, new)
+        if isinstance(new, FakeTensor):
+            self.fake_device = new.fake_device
+
+    had = "data" in FakeTensor.__dict__
+    real = FakeTensor.__dict__.get("data")
+    FakeTensor.data = property(get, set_)
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensor.data = real
+        else:
+            del FakeTensor.data
