@@ -241,3 +241,33 @@ def test_lora_on_fake_tensors_equals_lora_on_real_tensors():
     for kind in HELD:
         assert fake.steady[kind] == real.steady[kind], kind
         assert fake.at_end.get(kind) == real.at_end.get(kind), kind
+
+
+def test_the_qlora_estimate_equals_the_probes_ledger_of_the_script_run_for_real(
+    model_dir, tmp_path
+):
+    """The QLoRA script run for real on the CPU, its probe writing events (no sampler): the
+    ledger's parameters (4-bit weights with their quantisation state, as the ledger counts them)
+    and optimizer state at each step end are the estimate's resident figures, to the byte."""
+    import os
+
+    events = tmp_path / "events.jsonl"
+    args = [str(model_dir), "--optim", "adamw_8bit"]
+    env = {**os.environ, "STEPMEM_EVENTS": str(events), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, str(SCRIPTS / "qlora.py"), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    ends = [json.loads(x) for x in events.read_text().splitlines()]
+    ledgers = [e["ledger"] for e in ends if e.get("kind") == "end" and e.get("ledger")]
+    assert len(ledgers) >= 2
+    est, error = estimate_script(SCRIPTS / "qlora.py", args)
+    assert not error, error
+    for led in ledgers[1:]:
+        assert led["parameters"] == est.at_end["parameters"]
+        assert led["optimizer_state"] == est.at_end["optimizer_state"]

@@ -9,7 +9,7 @@
 # `stepmem report RUN --estimate EST` between them is run here, off the GPU (benchmarks/results/
 # scripts/README.md has the commands). Results as $OUT/scripts.tar.gz.
 #   device run (carry .bundle):  bash benchmarks/device/h200_scripts.sh
-#   (ONLY=estimates: part 1 alone)
+#   (ONLY=estimates: part 1 alone; RUNS="qlora-1b qlora-7b": of part 2 those alone)
 source benchmarks/device/bundle.sh
 export RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT_ALL=$OUT; OUT=$OUT/scripts; mkdir -p "$OUT/est" "$OUT/logs"
@@ -46,6 +46,7 @@ ray_head "$OUT/logs/ray_start.log"
 for row in "${ROWS[@]}"; do
   set -- $row; name=$1 script=$2 model=$3; shift 3
   [ "$SECONDS" -gt 520 ] && { say "== skipped $name: ${SECONDS} s spent"; continue; }
+  [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]] && continue  # RUNS="a b": those alone
   s=$SECONDS
   timeout 150 python -m collector.cli run --backend nvml --address 127.0.0.1:6379 \
     --store "$OUT/runs" --run-id "h200-$name" --out "$OUT/logs/$name.records.json" \

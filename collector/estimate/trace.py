@@ -61,7 +61,7 @@ from collector.estimate.script.fakes import (
 )
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.estimate.spec import Spec
-from collector.estimate.tracker import file_quantisation_state
+from collector.estimate.tracker import exact_bytes, file_quantisation_state
 from collector.estimate.tracker import tracker as memory_tracker
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
 from collector.model.prediction import Estimate, ModulePeak
@@ -442,7 +442,7 @@ def estimate(
     stack: list[_Stack] = []
     if fake:
         t.log = AllocationLog(device, where_now=_where(t, stack))
-    with mode, quiet(), build.group_closed(mesh), contextlib.ExitStack() as more:
+    with mode, quiet(), exact_bytes(), build.group_closed(mesh), contextlib.ExitStack() as more:
         attention = _cuda_rules(spec, cuda, device, more) if fake else None
         if fake:
             more.enter_context(build.unpacked_inputs())

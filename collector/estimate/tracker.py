@@ -12,9 +12,13 @@ pool never holds).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["file_quantisation_state", "managed", "tracker"]
+from collector.model.quantised import quantisation_tensors
+
+__all__ = ["exact_bytes", "file_quantisation_state", "managed", "tracker"]
 
 MANAGED = "_stepmem_managed"  # a storage's mark: CUDA managed memory, outside torch's pool
 
@@ -48,6 +52,32 @@ def tracker() -> Any:
                     handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+        def _register_global_optimizer_hook(self) -> None:
+            """A closure the optimizer's ``step`` runs (Lightning's forward and backward) is
+            not the optimizer step: its tensors are filed as activations and temporaries."""
+            super()._register_global_optimizer_hook()
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            def closure_outside(optimizer: Any, args: Any, kwargs: Any) -> Any:
+                # args are step's own, the optimizer first
+                closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+                if closure is None:
+                    return None
+
+                def run() -> Any:
+                    self._in_opt = False
+                    try:
+                        return closure()
+                    finally:
+                        self._in_opt = True
+
+                if "closure" in kwargs:
+                    return args, {**kwargs, "closure": run}
+                return (args[0], run, *args[2:]), kwargs
+
+            handle = register_optimizer_step_pre_hook(closure_outside)
+            self._optimizer_hook_handles = (*self._optimizer_hook_handles, handle)
+
         def _track(self, reftype: Any, t: Any) -> None:
             if not managed(t):
                 super()._track(reftype, t)
@@ -62,27 +92,6 @@ def tracker() -> Any:
     return FrozenAwareMemTracker()
 
 
-def _quantisation_tensors(weight: Any) -> list[Any]:
-    """The tensors of a bitsandbytes weight's quantisation state (4-bit ``quant_state``, with
-    its nested ``state2``; 8-bit ``SCB``)."""
-    import torch
-
-    out = []
-    qs = getattr(weight, "quant_state", None)
-    for state in (qs, getattr(qs, "state2", None)):
-        for name in ("absmax", "code", "offset"):
-            t = getattr(state, name, None)
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-    scb = getattr(weight, "SCB", None)
-    if isinstance(scb, torch.Tensor):
-        out.append(scb)
-    return out
-
-
-STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady one
-
-
 def file_quantisation_state(tracker: Any, models: list[Any]) -> None:
     """A quantised weight's state (bitsandbytes' 4-bit ``absmax``, its nested absmax and maps;
     8-bit ``SCB``) is part of the weight: filed as parameters (the tracker would take them for
@@ -91,5 +100,21 @@ def file_quantisation_state(tracker: Any, models: list[Any]) -> None:
 
     for model in models:
         for module in model.modules():
-            for t in _quantisation_tensors(getattr(module, "weight", None)):
+            for t in quantisation_tensors(getattr(module, "weight", None)):
                 tracker._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+
+
+@contextlib.contextmanager
+def exact_bytes() -> Iterator[None]:
+    """For the duration, the tracker counts a CUDA storage's own bytes, as the probe's ledger
+    does, not rounded up to the caching allocator's 512-byte blocks (the allocator model rounds
+    every request itself): a component's figure is its tensors' bytes, on a GPU as on the CPU."""
+    from torch.distributed._tools import mem_tracker
+
+    info = mem_tracker._WeakRefInfo
+    real = info._calculate_mem_consumed
+    info._calculate_mem_consumed = lambda self: self.size * self.element_size
+    try:
+        yield
+    finally:
+        info._calculate_mem_consumed = real

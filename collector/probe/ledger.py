@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from collector.model.kinds import LEDGER_KINDS, LedgerFigure, MemoryKind
+from collector.model.quantised import quantisation_tensors
 
 __all__ = ["LedgerCache", "UnshardWatch", "ledger"]
 
@@ -64,6 +65,8 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
     """Bytes of parameters, gradients and optimizer state, per ``torch.device`` they live on,
     as this rank holds them (see the module docstring for FSDP2 and DDP).
 
+    A quantised weight's state (bitsandbytes' 4-bit absmax, nested absmax and maps: see
+    :mod:`collector.model.quantised`) counts with its parameter.
     Paged (managed) bitsandbytes state — CPU tensors marked ``is_paged`` — is attributed to
     ``cuda:<page_deviceid>`` under ``optimizer_state_managed``. Tensors are deduplicated by data
     pointer. One full pass over every tensor: see :class:`LedgerCache` for the per-step cost.
@@ -84,6 +87,8 @@ def ledger(model: Any = None, optimizer: Any = None) -> dict[Any, dict[str, int]
     if model is not None:
         for p in model.parameters():
             add(_local(p).device, MemoryKind.PARAMETERS, p)
+            for q in quantisation_tensors(p):  # a 4-bit weight's absmax and maps: the weight's
+                add(_local(q).device, MemoryKind.PARAMETERS, q)
             if p.grad is not None:
                 add(_local(p.grad).device, MemoryKind.GRADIENTS, p.grad)
         ddp = _ddp_of(model)

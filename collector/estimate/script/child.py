@@ -38,6 +38,7 @@ from collector.estimate.script.fakes import (
     PLACEHOLDERS,
     Reads,
     conversions_in_place,
+    cuda_optimizer_defaults,
     data_follows_device,
     fake_deepcopy,
     fake_mode,
@@ -57,7 +58,7 @@ from collector.estimate.trace import (
     quiet,
     step_counters,
 )
-from collector.estimate.tracker import tracker
+from collector.estimate.tracker import exact_bytes, tracker
 from collector.model import marks
 from collector.model.kinds import MemoryKind
 from collector.model.prediction import Estimate
@@ -166,6 +167,7 @@ class _Run:
     def run(self, args: list[str], card: Any) -> None:
         with contextlib.ExitStack() as st:
             st.enter_context(quiet())
+            st.enter_context(exact_bytes())
             if not self.real:  # CUDA's kernels, on fake tensors
                 st.enter_context(self.attention)
                 if not self.cuda:
@@ -173,6 +175,7 @@ class _Run:
             st.enter_context(
                 cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
             )
+            st.enter_context(cuda_optimizer_defaults(stand_in=not self.cuda))
             if not self.real:
                 self._fakes(st)
             st.enter_context(self.log.resizes())

@@ -20,6 +20,7 @@ __all__ = [
     "PLACEHOLDERS",
     "Reads",
     "conversions_in_place",
+    "cuda_optimizer_defaults",
     "data_follows_device",
     "fake_deepcopy",
     "fake_mode",
@@ -277,3 +278,30 @@ def data_follows_device() -> Iterator[None]:
             FakeTensor.data = real
         else:
             del FakeTensor.data
+
+
+@contextlib.contextmanager
+def cuda_optimizer_defaults(stand_in: bool) -> Iterator[None]:
+    """An optimizer left to choose (``AdamW()``: ``foreach=None``) chooses as on CUDA: torch picks
+    its multi-tensor (foreach) kernels only for plain tensors on a foreach device, and a fake
+    tensor is neither (its type is not ``Tensor``; the stand-in's device is the CPU) — it would
+    take the per-tensor loop, whose temporaries are one tensor's, not the whole model's. Fake
+    tensors count as plain for the duration; with ``stand_in``, the CPU as CUDA."""
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    lists = [getattr(m, "_foreach_supported_types", None) for m in (optimizer, foreach_utils)]
+    lists = [x for x in lists if isinstance(x, list) and FakeTensor not in x]
+    for x in lists:
+        x.append(FakeTensor)
+    real = getattr(optimizer, "_get_foreach_kernels_supported_devices", None)
+    if stand_in and real is not None:
+        optimizer._get_foreach_kernels_supported_devices = lambda: [*real(), "cpu"]
+    try:
+        yield
+    finally:
+        for x in lists:
+            x.remove(FakeTensor)
+        if stand_in and real is not None:
+            optimizer._get_foreach_kernels_supported_devices = real
