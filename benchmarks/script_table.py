@@ -23,12 +23,11 @@ ROWS = {  # the reconciliation's rows the table keeps, by the start of their nam
     "parameters": "parameters",
     "optimizer state (device)": "state (device)",
     "optimizer state (managed)": "state (managed)",
-    "step 1 allocated peak": "alloc peak 1",
-    "step 2 allocated peak": "alloc peak 2",
-    "step 1 reserved peak": "resv peak 1",
-    "step 2 reserved peak": "resv peak 2",
     "NVML used": "NVML peak 2",
 }
+# the two traced steps' rows, named with the run's own step numbers (a loop may count from 0):
+# by their order
+PEAKS = {"allocated peak": "alloc peak", "reserved peak": "resv peak"}
 
 
 def _row(name: str, est_path: Path, run_path: Path) -> dict:
@@ -42,8 +41,13 @@ def _row(name: str, est_path: Path, run_path: Path) -> dict:
     main = max(run.streams_of(uuid), key=lambda s: len(s.records))
     rows, _named = reconcile(est, main.records)
     out = {"name": name, "estimate_seconds": est.seconds, "figures": {}}
+    seen: dict[str, int] = {}
     for r in rows:
         key = next((v for k, v in ROWS.items() if r.component.startswith(k)), None)
+        peak = next((v for k, v in PEAKS.items() if r.component.endswith(k)), None)
+        if key is None and peak is not None and r.component.startswith("step "):
+            seen[peak] = seen.get(peak, 0) + 1
+            key = f"{peak} {seen[peak]}"
         if key is None or r.predicted is None or r.measured is None:
             continue
         err = (r.predicted - r.measured) / r.measured if r.measured else None
