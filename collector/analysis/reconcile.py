@@ -73,7 +73,9 @@ def _stored(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
                 "measured: the probe's watch of FSDP2's unshard",
             )
         )
-    rows.append(Row("step 1 allocated peak", est.first_peak, first.torch_allocated_peak_bytes))
+    rows.append(  # the run's own step numbers (a loop may count from 0, or per epoch)
+        Row(f"step {first.step} allocated peak", est.first_peak, first.torch_allocated_peak_bytes)
+    )
     rows.append(
         Row(f"step {steady.step} allocated peak", est.peak, steady.torch_allocated_peak_bytes)
     )
@@ -183,7 +185,11 @@ def _cache(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
     one = _modelled(est, first=True)
     if first is not steady and first.torch_reserved_peak_bytes is not None and one is not None:
         rows.append(
-            Row("step 1 reserved peak", one["reserved_peak"], first.torch_reserved_peak_bytes)
+            Row(
+                f"step {first.step} reserved peak",
+                one["reserved_peak"],
+                first.torch_reserved_peak_bytes,
+            )
         )
     rows.append(
         Row(
