@@ -205,6 +205,10 @@ class _Run:
         st.enter_context(parameter_subclasses())
         st.enter_context(headers_only())
         st.enter_context(pools_inline())
+        # transformers asks whether the batch packs several sequences (reading positions a fake
+        # tensor does not have): answered as for one sequence a row, which keeps the causal
+        # attention maskless (flash, grouped heads) as it is on real tensors
+        st.enter_context(build.unpacked_inputs())
 
     def _run_script(self, args: list[str]) -> None:
         try:
