@@ -24,7 +24,6 @@ model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
 model.gradient_checkpointing_enable()
 model.config.use_cache = False
 model.cuda()
-model.train()  # from_pretrained gives a model in eval mode
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 torch.cuda.empty_cache()
 torch.cuda.reset_peak_memory_stats()

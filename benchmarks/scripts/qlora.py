@@ -42,7 +42,6 @@ lora = LoraConfig(
     task_type="CAUSAL_LM",
 )
 model = get_peft_model(model, lora)
-model.train()  # from_pretrained gives a model in eval mode
 params = [p for p in model.parameters() if p.requires_grad]
 if a.optim == "paged_adamw_8bit":
     opt = bnb.optim.PagedAdamW8bit(params, lr=2e-4)

@@ -22,7 +22,6 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-model.train()  # from_pretrained gives a model in eval mode
 ids = torch.randint(0, model.config.vocab_size, (a.steps * a.batch, a.seq_len))
 loader = torch.utils.data.DataLoader(
     [{"input_ids": x, "labels": x} for x in ids], batch_size=a.batch
