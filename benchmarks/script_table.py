@@ -5,7 +5,8 @@ and optimizer state (the probe's ledger at a step end), each step's allocated an
 and NVML's within-step peak, through the same reconciliation ``stepmem report --estimate``
 prints.
 
-    python benchmarks/script_table.py benchmarks/results/scripts
+    python benchmarks/script_table.py benchmarks/results/scripts             # the H200's estimates
+    python benchmarks/script_table.py benchmarks/results/scripts --est cpu   # this machine's
 """
 
 from __future__ import annotations
@@ -82,9 +83,14 @@ def _md(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir", type=Path, help="the unpacked result of h200_scripts.sh")
+    p.add_argument(
+        "--est",
+        default="est",
+        help="the folder of estimates under DIR (default est: the H200's; cpu: this machine's)",
+    )
     a = p.parse_args()
     rows = []
-    for est in sorted((a.dir / "est").glob("*.estimate.json")):
+    for est in sorted((a.dir / a.est).glob("*.estimate.json")):
         name = est.name.removesuffix(".estimate.json")
         run = a.dir / "runs" / f"h200-{name}"
         if not run.is_dir():
@@ -94,10 +100,11 @@ def main() -> int:
     md = _md(rows)
     print("GiB, predicted / measured (error); '=': equal to the byte\n")
     print(md)
-    (a.dir / "table.md").write_text(
+    stem = "table" if a.est == "est" else f"table-{a.est}"
+    (a.dir / f"{stem}.md").write_text(
         "GiB, predicted / measured (error); '=': equal to the byte\n\n" + md + "\n"
     )
-    (a.dir / "table.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (a.dir / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
