@@ -12,16 +12,15 @@ through the caching-allocator model and NVML's figure, and whether it fits the G
   estimate, and CUDA stood in for by the CPU where there is no GPU.
 
 The script's side effects are its own (it may write files and reach the network as when it runs
-for real); this process contains it: its own process group, killed at the time limit or on
-Ctrl-C, and nothing of it read back but the result file, as untrusted data.
+for real); this process contains it: it runs under stepmem's keeper (:mod:`collector.supervise`:
+a process group of its own, ended at the time limit, on Ctrl-C and when this process dies),
+and nothing of it is read back but the result file, as untrusted data.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 
 from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate
+from collector.supervise import GRACE_S, supervised
 
 __all__ = ["DEFAULT_TIME_LIMIT", "estimate_script"]
 
@@ -46,7 +46,7 @@ SCRIPT_ENV = {
     "HF_DEACTIVATE_ASYNC_LOAD": "1",
     "PYTHONUNBUFFERED": "1",
 }
-KILL_GRACE_S = 3.0
+KILL_GRACE_S = 3.0  # beyond the keeper's own grace
 
 
 def _root() -> str:
@@ -55,15 +55,14 @@ def _root() -> str:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """The child and whatever it started: SIGTERM, then SIGKILL after a grace."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """The script and whatever it started: the keeper (:mod:`collector.supervise`) ends their
+    group when asked (SIGTERM, then SIGKILL after its grace)."""
+    proc.terminate()
+    try:
+        proc.wait(GRACE_S + KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _request(script: Path, args: list[str], result: Path, **settings: Any) -> dict[str, Any]:
@@ -97,12 +96,12 @@ def estimate_script(
             f"running {script.name} on fake tensors to the end of its second probe step "
             f"(its output follows; stopped after {time_limit:.0f} s)"
         )
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "collector.estimate.script.child", str(req)],
+        proc = subprocess.Popen(  # under the keeper: a process group of its own, ended with
+            # this process even when it is killed outright
+            supervised([sys.executable, "-m", "collector.estimate.script.child", str(req)]),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),
-            start_new_session=True,
         )
         try:
             code = proc.wait(time_limit)
