@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from collector.estimate.allocator import AllocatorConfig, CachingAllocator
+from collector.estimate.script.swap import swapped
 from collector.estimate.sequence import AllocationLog
 
 __all__ = ["LiveAllocator", "counters_answered", "cuda_on_cpu"]
@@ -66,15 +67,6 @@ class LiveAllocator:
         return out
 
 
-def _patched(module: Any, answers: dict[str, Callable[..., Any]]) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for name, fn in answers.items():
-        real = getattr(module, name, None)
-        setattr(module, name, fn)
-        stack.callback(setattr, module, name, real)
-    return stack
-
-
 @contextlib.contextmanager
 def counters_answered(live: LiveAllocator, capacity: int, outside: int) -> Iterator[None]:
     """``torch.cuda``'s memory counters answered by ``live`` (see the module doc); ``capacity``
@@ -102,7 +94,7 @@ def counters_answered(live: LiveAllocator, capacity: int, outside: int) -> Itera
         "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
     }
-    with _patched(torch.cuda, answers), _patched(torch.cuda.memory, answers):
+    with swapped(torch.cuda, **answers), swapped(torch.cuda.memory, **answers):
         yield
 
 
@@ -170,11 +162,8 @@ def _autocast_seen(on_first: Callable[[Any], None], to_cpu: bool) -> Iterator[No
                 device_type = "cpu"
         real_init(self, device_type, dtype, *args, **kwargs)
 
-    torch.autocast.__init__ = init
-    try:
+    with swapped(torch.autocast, __init__=init):
         yield
-    finally:
-        torch.autocast.__init__ = real_init
 
 
 @contextlib.contextmanager
@@ -209,7 +198,7 @@ def cuda_on_cpu(
         "_lazy_init": lambda: None,
     }
     with (
-        _patched(torch.cuda, answers),
+        swapped(torch.cuda, **answers),
         _autocast_seen(on_autocast, to_cpu=True),
         _device_mode(),
     ):

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from collector.estimate.script.swap import swapped
+
 __all__ = [
     "PLACEHOLDERS",
     "Reads",
@@ -133,8 +135,6 @@ def conversions_in_place() -> Iterator[None]:
     which fails for any tensor something holds a weak reference to — the tracker does.)"""
     import torch
 
-    real = torch.nn.Module._apply
-
     def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
         if recurse:
             for module in self.children():
@@ -158,11 +158,8 @@ def conversions_in_place() -> Iterator[None]:
                 self._buffers[key] = fn(buf)
         return self
 
-    torch.nn.Module._apply = _apply
-    try:
+    with swapped(torch.nn.Module, _apply=_apply):
         yield
-    finally:
-        torch.nn.Module._apply = real
 
 
 @contextlib.contextmanager
@@ -179,15 +176,8 @@ def fake_deepcopy() -> Iterator[None]:
             memo[id(self)] = out
         return memo[id(self)]
 
-    real = FakeTensor.__dict__.get("__deepcopy__")
-    FakeTensor.__deepcopy__ = deepcopy
-    try:
+    with swapped(FakeTensor, __deepcopy__=deepcopy):
         yield
-    finally:
-        if real is None:
-            del FakeTensor.__deepcopy__
-        else:
-            FakeTensor.__deepcopy__ = real
 
 
 @contextlib.contextmanager
@@ -200,7 +190,7 @@ def parameter_subclasses() -> Iterator[None]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
-    real = torch.Tensor._make_subclass
+    real = torch.Tensor._make_subclass  # torch's, for any other class
     mixed: dict[type, type] = {}
 
     def make_subclass(cls: type, data: Any, requires_grad: bool = False, *a: Any, **k: Any) -> Any:
@@ -218,11 +208,8 @@ def parameter_subclasses() -> Iterator[None]:
             return out
         return real(cls, data, requires_grad, *a, **k)
 
-    torch.Tensor._make_subclass = staticmethod(make_subclass)
-    try:
+    with swapped(torch.Tensor, _make_subclass=staticmethod(make_subclass)):
         yield
-    finally:
-        torch.Tensor._make_subclass = real
 
 
 @contextlib.contextmanager
@@ -232,8 +219,6 @@ def pools_inline() -> Iterator[None]:
     log — are per thread, and a pool thread would make real tensors no one counts."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    real = ThreadPoolExecutor.submit
-
     def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
         done: Future = Future()
         try:
@@ -242,11 +227,8 @@ def pools_inline() -> Iterator[None]:
             done.set_exception(exc)
         return done
 
-    ThreadPoolExecutor.submit = submit
-    try:
+    with swapped(ThreadPoolExecutor, submit=submit):
         yield
-    finally:
-        ThreadPoolExecutor.submit = real
 
 
 @contextlib.contextmanager
@@ -268,16 +250,8 @@ def data_follows_device() -> Iterator[None]:
         if isinstance(new, FakeTensor):
             self.fake_device = new.fake_device
 
-    had = "data" in FakeTensor.__dict__
-    real = FakeTensor.__dict__.get("data")
-    FakeTensor.data = property(get, set_)
-    try:
+    with swapped(FakeTensor, data=property(get, set_)):
         yield
-    finally:
-        if had:
-            FakeTensor.data = real
-        else:
-            del FakeTensor.data
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from collector.estimate.script.swap import swapped
 from collector.estimate.sequence import AllocationLog
 from collector.estimate.tracker import MANAGED
 
@@ -49,8 +50,6 @@ def paged_state(tracker: Any, log: AllocationLog | None) -> Iterator[None]:
         return
     import torch
 
-    real = Optimizer8bit.get_state_buffer
-
     def get_state_buffer(self: Any, p: Any, dtype: Any = torch.float32) -> Any:
         buff = torch.zeros_like(p, dtype=dtype, device=p.device)
         if self.is_paged and p.numel() >= PAGED_MIN:
@@ -58,8 +57,5 @@ def paged_state(tracker: Any, log: AllocationLog | None) -> Iterator[None]:
             self.stepmem_managed = getattr(self, "stepmem_managed", 0) + buff.nbytes
         return buff
 
-    Optimizer8bit.get_state_buffer = get_state_buffer
-    try:
+    with swapped(Optimizer8bit, get_state_buffer=get_state_buffer):
         yield
-    finally:
-        Optimizer8bit.get_state_buffer = real
