@@ -296,7 +296,6 @@ def _allocator(conf: str | None):  # -> AllocatorConfig
 
 
 _SCRIPT_DECIDES = (  # what a script sets itself: flags --script refuses
-    ("workload", "--workload"),
     ("shard", "--shard"),
     ("optim", "--optim"),
     ("seq_len", "--seq-len"),
@@ -317,10 +316,10 @@ def _estimate_script(ns: argparse.Namespace, prog: str, say: Callable[[str], Non
     from collector.estimate.script import DEFAULT_TIME_LIMIT, estimate_script
 
     given = [flag for key, flag in _SCRIPT_DECIDES if getattr(ns, key, None) not in (None, False)]
+    if ns.workload != "finetune":  # the default, which a script's estimate does not use
+        given.append("--workload")
     if ns.world_size != 1:
         given.append("--world-size")
-    if ns.workload == "finetune":
-        given = [g for g in given if g != "--workload"]
     if given:
         raise UserError(
             f"{prog}: --script takes the model, optimizer and batch from the script; "

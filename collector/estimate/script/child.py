@@ -375,16 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         if req.get("alloc_conf")
         else AllocatorConfig.from_env()
     )
-    target = None
-    card = gpus.card(req["gpu"]) if req.get("gpu") else None
-    if card is None:
-        import torch
+    import torch
 
-        card = gpus.local_card() if torch.cuda.is_available() else gpus.card("H200")
-        if torch.cuda.is_available():
-            target = Target(card, req.get("margin", 0.0), req.get("fraction"))
-    else:
-        target = Target(card, req.get("margin", 0.0), req.get("fraction"))
+    # the GPU held against: the one named, else this machine's; without either, no verdict on
+    # fitting, and the H200's figures for what mem_get_info answers the script
+    named = req.get("gpu") or None
+    cuda = torch.cuda.is_available()
+    card = gpus.card(named) if named else gpus.local_card() if cuda else gpus.card("H200")
+    held = named or cuda
+    target = Target(card, req.get("margin", 0.0), req.get("fraction")) if held else None
     sys.stdout = sys.stderr  # the script's prints are not the estimate
     est, error = trace_script(
         Path(req["script"]), list(req["args"]), allocator, target, card, bool(req.get("real"))

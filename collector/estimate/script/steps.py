@@ -63,7 +63,6 @@ class ScriptSteps:
             real(module, inputs)
 
         self.tracker._pre_fw_hook = pre_forward
-        self._best = -1
 
     def _keep_modules(self) -> None:
         mods = module_peaks(self.tracker, self.root(), self.device)
