@@ -6,7 +6,9 @@ Prints, for ``collector`` and ``workloads``:
 
 * the longest functions (lines, from ``def`` to the last line of the body);
 * import cycles between modules (strongly connected parts of the import graph, every import
-  counted, also those inside functions), from grimp;
+  counted, also those inside functions and dotted ones: :class:`ImportGraph`, from the AST);
+* the ratchet: functions over 60 lines and modules over 450, each no larger than the committed
+  ``results/structure/ratchet.json`` lists it;
 * what the training process imports: the modules ``collector.probe.core`` pulls in, and whether
   the sampler actor's module and the Prometheus exporter are among them;
 * the import contracts between the house's rooms (:data:`CONTRACTS`), each with the imports that
@@ -43,30 +45,104 @@ def _files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def longest_functions(n: int = 8) -> list[dict]:
+def _functions(root: Path = ROOT) -> list[tuple[str, int]]:
+    """``(path:Qual.name, lines)`` of every function of the packages, from ``def`` to the last
+    line of its body."""
     out = []
+
+    def walk(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    out.append((f"{path}:{name}", child.end_lineno - child.lineno + 1))
+                walk(child, path, name + ".")
+            else:
+                walk(child, path, prefix)
+
     for path in _files():
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                out.append(
-                    {
-                        "function": f"{path.relative_to(ROOT)}:{node.name}",
-                        "lines": node.end_lineno - node.lineno + 1,
-                    }
-                )
+        walk(ast.parse(path.read_text()), str(path.relative_to(root)), "")
+    return out
+
+
+def longest_functions(n: int = 8) -> list[dict]:
+    out = [{"function": f, "lines": lines} for f, lines in _functions()]
     return sorted(out, key=lambda f: -f["lines"])[:n]
 
 
-def import_cycles() -> tuple[list[list[str]], list[str]]:
-    """Cycles between modules, and the modules ``collector.probe.core`` imports (transitively)."""
-    import grimp
+class ImportGraph:
+    """Every import between the modules of ``packages`` under ``root``, read from the AST —
+    also those inside functions, and ``importlib.import_module("…")`` with a literal name.
 
-    sys.path.insert(0, str(ROOT))
-    graph = grimp.build_graph(*PACKAGES, include_external_packages=True)
-    mods = sorted(m for m in graph.modules if m.split(".")[0] in PACKAGES)
-    edges = {m: set(graph.find_modules_directly_imported_by(m)) & set(mods) for m in mods}
-    # Tarjan's strongly connected components
+    ``import a.b.c`` is an import of ``a.b.c`` (grimp, as it was called here, records it as one
+    of ``a``: a dotted import broke no contract and closed no cycle); ``from a.b import c`` is
+    one of ``a.b.c`` when that is a module, else of ``a.b``; relative imports are resolved. The
+    interface is grimp's that the checks use: ``modules`` and
+    ``find_modules_directly_imported_by``."""
+
+    def __init__(self, root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> None:
+        self.root = root
+        files = {}
+        for pkg in packages:
+            for path in sorted((root / pkg).rglob("*.py")):
+                parts = path.relative_to(root).with_suffix("").parts
+                name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                files[name] = path
+        self.modules = set(files)
+        self._edges = {m: self._read(m, path) for m, path in files.items()}
+
+    def find_modules_directly_imported_by(self, module: str) -> set[str]:
+        return set(self._edges.get(module, ()))
+
+    def _known(self, dotted: str) -> str | None:
+        """The longest prefix of ``dotted`` that is one of the modules, else None (outside)."""
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            name = ".".join(parts[:n])
+            if name in self.modules:
+                return name
+        return None
+
+    def _read(self, module: str, path: Path) -> set[str]:
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([base] if base else [])])
+                names = [f"{base}.{a.name}" for a in node.names if a.name != "*"] or [base]
+                names = [n if n in self.modules else base for n in names]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                names = [node.args[0].value]
+            for name in names:
+                known = self._known(name)
+                if known is not None and known != module:
+                    out.add(known)
+        return out
+
+
+def _graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> ImportGraph:
+    return ImportGraph(root, packages)
+
+
+def import_cycles(graph: ImportGraph | None = None) -> tuple[list[list[str]], list[str]]:
+    """Cycles between modules (strongly connected parts of the import graph, Tarjan), and the
+    modules ``collector.probe.core`` imports, transitively."""
+    graph = graph or _graph()
+    mods = sorted(graph.modules)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in mods}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -77,7 +153,7 @@ def import_cycles() -> tuple[list[list[str]], list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in edges[v]:
+        for w in sorted(edges[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -99,8 +175,14 @@ def import_cycles() -> tuple[list[list[str]], list[str]]:
     for m in mods:
         if m not in index:
             visit(m)
-    probe = sorted(graph.find_upstream_modules("collector.probe.core"))
-    return sccs, probe
+    probe: set[str] = set()
+    todo = ["collector.probe.core"] if "collector.probe.core" in edges else []
+    while todo:
+        for w in edges[todo.pop()]:
+            if w not in probe:
+                probe.add(w)
+                todo.append(w)
+    return sccs, sorted(probe)
 
 
 def literals() -> dict[str, list[str]]:
@@ -229,34 +311,56 @@ CONTRACTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ),
 )
 ENTRY = ("collector.cli", "collector.__main__", "collector.job")  # the command and its shims
-MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
+# The ratchet: every function over FUNCTION_WATCH lines and every module over MODULE_WATCH is
+# listed in RATCHET with its size, and may only shrink (or leave the list); nothing new joins it.
+# Hard caps steered the code to sit just under them (two functions at exactly 80 lines of 80);
+# a ratchet asks for the seam instead. ``--write-ratchet`` rewrites the file from the tree.
+FUNCTION_WATCH = 60
+MODULE_WATCH = 450
+RATCHET = ROOT / "benchmarks" / "results" / "structure" / "ratchet.json"
 
 
-def _graph():
-    import grimp
+def over_watch() -> dict[str, dict[str, int]]:
+    """The functions over :data:`FUNCTION_WATCH` lines and modules over :data:`MODULE_WATCH`."""
+    funcs: dict[str, int] = {}
+    for name, lines in _functions():
+        if lines > FUNCTION_WATCH:
+            funcs[name] = max(lines, funcs.get(name, 0))
+    mods = {k: v for k, v in module_sizes().items() if v > MODULE_WATCH}
+    return {"functions": dict(sorted(funcs.items())), "modules": dict(sorted(mods.items()))}
 
-    sys.path.insert(0, str(ROOT))
-    return grimp.build_graph(*PACKAGES, include_external_packages=True)
+
+def ratchet_breaks(now: dict[str, dict[str, int]], kept: dict[str, dict[str, int]]) -> list[str]:
+    """What ``now`` adds to, or grows in, the committed ratchet ``kept`` (empty: it holds)."""
+    out = []
+    for part, watch in (("functions", FUNCTION_WATCH), ("modules", MODULE_WATCH)):
+        for name, lines in now[part].items():
+            was = kept.get(part, {}).get(name)
+            if was is None:
+                out.append(f"{name}: {lines} lines, new over {watch}")
+            elif lines > was:
+                out.append(f"{name}: {lines} lines, was {was}")
+    return out
 
 
 def _within(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-def contracts(graph=None) -> dict[str, list[str]]:
-    """Each contract with the imports that break it (``importer -> imported``; empty: holds)."""
+def contracts(graph=None, table=None) -> dict[str, list[str]]:
+    """Each contract of ``table`` (default :data:`CONTRACTS`) with the imports that break it
+    (``importer -> imported``; empty: holds)."""
     graph = graph or _graph()
-    mods = sorted(m for m in graph.modules if m.split(".")[0] in PACKAGES)
+    mods = sorted(graph.modules)
     out: dict[str, list[str]] = {}
-    for name, bound, rule in CONTRACTS:
+    for name, bound, rule in CONTRACTS if table is None else table:
         forbid = rule[0] == "!"
         broken = []
         for m in mods:
             if not _within(m, bound) or (forbid and _within(m, ENTRY)):
                 continue
             for imp in sorted(graph.find_modules_directly_imported_by(m)):
-                if imp.split(".")[0] not in PACKAGES:
+                if imp not in graph.modules:
                     continue
                 bad = _within(imp, rule[1:]) if forbid else not _within(imp, rule)
                 if bad:
@@ -331,16 +435,18 @@ def dead_code() -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--write-ratchet", action="store_true", help=f"rewrite {RATCHET.name} from this tree"
+    )
     a = ap.parse_args()
+    if a.write_ratchet:
+        RATCHET.write_text(json.dumps(over_watch(), indent=1) + "\n")
     cycles, probe = import_cycles()
     sizes = module_sizes()
     result = {
         "longest_functions": longest_functions(),
-        "functions_over_limit": [
-            f for f in longest_functions(10_000) if f["lines"] > MAX_FUNCTION_LINES
-        ],
+        "over_watch": over_watch(),
         "largest_modules": dict(list(sizes.items())[:8]),
-        "modules_over_limit": {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES},
         "modules": len(sizes),
         "contracts": contracts(),
         "vocabulary": vocabulary(),
@@ -352,13 +458,19 @@ def main() -> None:
     }
     for f in result["longest_functions"]:
         print(f"{f['lines']:4d} lines  {f['function']}")
+    watch = result["over_watch"]
     print(
-        f"functions over {MAX_FUNCTION_LINES} lines: {len(result['functions_over_limit'])}; "
-        f"modules over {MAX_MODULE_LINES} lines: {len(result['modules_over_limit'])} "
+        f"functions over {FUNCTION_WATCH} lines: {len(watch['functions'])}; "
+        f"modules over {MODULE_WATCH} lines: {len(watch['modules'])} "
         f"(of {result['modules']}; largest: "
         + ", ".join(f"{k} {v}" for k, v in list(result["largest_modules"].items())[:4])
         + ")"
     )
+    kept = json.loads(RATCHET.read_text()) if RATCHET.exists() else {}
+    breaks = ratchet_breaks(watch, kept)
+    print(f"ratchet ({RATCHET.name}): {'holds' if not breaks else f'{len(breaks)} grew'}")
+    for b in breaks:
+        print("   ", b)
     for name, broken in result["contracts"].items():
         print(f"contract: {name}: {'holds' if not broken else f'{len(broken)} imports break it'}")
         for b in broken:
