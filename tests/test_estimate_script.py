@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.estimate.script import estimate_script
+from collector.estimate.request import EstimateFlags, plan_estimate
+from collector.estimate.script import estimate_script as _estimate_script
 from collector.model.errors import EstimateError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +36,14 @@ def model_dir(tmp_path_factory) -> Path:
         timeout=300,
     )
     return out
+
+
+def estimate_script(path: Path, args: list[str], real: bool = False):
+    """The script estimated as ``stepmem estimate --script PATH -- ARGS`` plans it."""
+    import torch
+
+    flags = EstimateFlags(script=path, script_args=tuple(args))
+    return _estimate_script(plan_estimate(flags, torch.cuda.is_available(), real=real))
 
 
 def _cli(*argv: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -9,12 +9,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from collector import args
 from collector.cli.files import check_metrics_addr, check_store, writable_file, write_output
 from collector.model.errors import EstimateError, UserError
+from collector.model.files import atomic_write
 from collector.model.units import GIB, gib
 
 __all__ = ["COMMANDS", "EXIT_INCOMPLETE"]
@@ -208,11 +208,9 @@ def _pictures(run, outs: dict[str, Path], prog: str) -> None:
     ):
         if flag not in outs:
             continue
-        out = outs[flag]  # a temporary name with the same suffix (the format)
-        tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")
+        out = outs[flag]
         try:
-            render(run, tmp)
-            os.replace(tmp, out)
+            atomic_write(out, lambda tmp, render=render: render(run, tmp), same_suffix=True)
         except ImportError as exc:
             raise UserError(
                 f"{prog}: pictures need pip install 'stepmem[report]' ({exc})"
@@ -221,141 +219,28 @@ def _pictures(run, outs: dict[str, Path], prog: str) -> None:
             raise UserError(
                 f"{prog}: --{flag} {out} could not be written ({exc.strerror or exc})"
             ) from None
-        finally:
-            tmp.unlink(missing_ok=True)
         print(f"{what}: {out}")
 
 
-def _estimate_spec(ns: argparse.Namespace, gpu: bool):  # -> Spec
-    """The spec ``stepmem estimate``'s flags describe, on this machine (the defaults it
-    implies: :meth:`collector.estimate.spec.Spec.for_machine`)."""
-    import dataclasses
-
-    from collector.analysis.runs import load_meta
-    from collector.estimate.spec import Spec, read_config
-
-    dist = ns.workload == "distributed"
-    if not dist and (ns.shard or ns.world_size != 1):
-        raise UserError("stepmem estimate: --shard and --world-size are for --workload distributed")
-    given = dict(
-        optim=ns.optim,
-        seq_len=ns.seq_len,
-        batch=ns.batch,
-        grad_accum=ns.grad_accum,
-        size=ns.size,
-        config=read_config(ns.config) if ns.config is not None else None,
-        bf16=False if ns.fp32 else None,
-        checkpointing=False if ns.no_checkpointing else None,
-        lora_r=ns.lora_r,
-        lora_targets=tuple(t.strip() for t in ns.lora_targets.split(",") if t.strip())
-        if ns.lora_targets
-        else None,
-        load_in_4bit=True if ns.load_in_4bit else None,
-    )
-    if dist:
-        given.update(shard=ns.shard, world_size=ns.world_size)
-    spec = Spec.for_machine(gpu, ns.workload, **given)
-    if ns.like is not None:  # the run's model and batch; what the flags name wins
-        spec = spec.like(load_meta(ns.like).get("workload_summary"), str(ns.like))
-        named = {k: v for k, v in (("optim", ns.optim), ("seq_len", ns.seq_len)) if v}
-        spec = dataclasses.replace(spec, **named)
-    return spec
-
-
-def _target(ns: argparse.Namespace, cuda: bool):  # -> Target | None
-    """The GPU ``--gpu`` names (else this machine's), with ``--margin`` and
-    ``--memory-fraction``; None without a GPU to hold the step against."""
-    from collector.estimate import fit, gpus
-
-    if ns.gpu is not None:
-        card = gpus.card(ns.gpu)
-    elif cuda:
-        card = gpus.local_card()
-    else:
-        fit.check(ns.margin / 100, ns.memory_fraction)
-        for flag, given in (
-            ("--memory-fraction", ns.memory_fraction is not None),
-            ("--max-batch", ns.max_batch),
-            ("--max-seq-len", ns.max_seq_len),
-        ):
-            if given:
-                raise EstimateError(f"{flag} needs --gpu NAME|GIB (this machine has no GPU)")
-        return None
-    return fit.Target(card, ns.margin / 100, ns.memory_fraction)
-
-
-def _allocator(conf: str | None):  # -> AllocatorConfig
-    from collector.estimate.allocator_config import AllocatorConfig
-
-    if conf is None:
-        return AllocatorConfig.from_env()
-    try:
-        return AllocatorConfig.parse(conf, "--alloc-conf")
-    except EstimateError as exc:
-        raise EstimateError(f"--alloc-conf {conf}: {exc}") from None
-
-
-_SCRIPT_DECIDES = (  # what a script sets itself: flags --script refuses
-    ("shard", "--shard"),
-    ("optim", "--optim"),
-    ("seq_len", "--seq-len"),
-    ("batch", "--batch"),
-    ("grad_accum", "--grad-accum"),
-    ("no_checkpointing", "--no-checkpointing"),
-    ("fp32", "--fp32"),
-    ("max_batch", "--max-batch"),
-    ("max_seq_len", "--max-seq-len"),
-    ("lora_r", "--lora-r"),
-    ("lora_targets", "--lora-targets"),
-    ("load_in_4bit", "--load-in-4bit"),
-)
-
-
-def _estimate_script(ns: argparse.Namespace, prog: str, say: Callable[[str], None]):
-    """``--script``: the user's script estimated in a child process (Estimate, error)."""
-    from collector.estimate.script import DEFAULT_TIME_LIMIT, estimate_script
-
-    given = [flag for key, flag in _SCRIPT_DECIDES if getattr(ns, key, None) not in (None, False)]
-    if ns.workload != "finetune":  # the default, which a script's estimate does not use
-        given.append("--workload")
-    if ns.world_size != 1:
-        given.append("--world-size")
-    if given:
-        raise UserError(
-            f"{prog}: --script takes the model, optimizer and batch from the script; "
-            f"drop {', '.join(given)}"
-        )
-    _allocator(ns.alloc_conf)  # a bad --alloc-conf is said here, not in the child
-    return estimate_script(
-        ns.script,
-        _strip_dashes(ns.script_args),
-        time_limit=ns.time_limit or DEFAULT_TIME_LIMIT,
-        progress=say,
-        alloc_conf=ns.alloc_conf,
-        gpu=ns.gpu,
-        margin=ns.margin / 100,
-        fraction=ns.memory_fraction,
-    )
-
-
 def _cmd_estimate(ns: argparse.Namespace) -> int:
+    """Plan (every flag checked, before anything is traced), run, print."""
     import torch
 
-    from collector.estimate import build, estimate, render
-    from collector.estimate.largest import largest
+    from collector.estimate import build, render
+    from collector.estimate.request import EstimateFlags, plan_estimate
+    from collector.estimate.run import run_estimate
 
     prog = "stepmem estimate"
     build.offline()  # a config is shapes: nothing in it reaches the network
     out = writable_file(ns.out, "--out", prog) if ns.out else None
-    if ns.script is not None:
-        return _cmd_estimate_script(ns, prog, out)
-    if ns.script_args or ns.time_limit is not None:
-        raise UserError(f"{prog}: arguments after '--' and --time-limit are for --script")
-    cuda = torch.cuda.is_available()
+    flags = EstimateFlags.of(ns)
     try:
-        spec = _estimate_spec(ns, cuda)
-        allocator = _allocator(ns.alloc_conf)
-        target = _target(ns, cuda)
+        like = None
+        if flags.like is not None:  # the run's summary, as data: the estimate reads no run
+            from collector.analysis.runs import load_meta
+
+            like = load_meta(flags.like).get("workload_summary")
+        req = plan_estimate(flags, torch.cuda.is_available(), like)
     except EstimateError as exc:  # a flag's value, file or run: the user's to fix
         raise UserError(f"{prog}: {exc}") from None
     quiet = ns.json or not sys.stderr.isatty()
@@ -364,62 +249,29 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         if not quiet:
             print(f"… {m}", file=sys.stderr)
 
-    model = spec.size or (spec.config or {}).get("model_type", "a config")
-    say(
-        f"tracing {model} ({spec.optim}, batch {spec.batch} × {spec.seq_len}) for two steps on "
-        "fake tensors: seconds for a small model, under a minute for a 7B"
-    )
-    if ns.max_batch or ns.max_seq_len:
-        axis = "batch" if ns.max_batch else "seq_len"
-        say(f"searching the largest {'micro-batch' if ns.max_batch else 'sequence length'}")
-        est, search = largest(
-            spec,
-            axis,
-            target,
-            lambda s: estimate(s, allocator=allocator, target=target),
-            progress=say,
-        )
-        if est is None:
-            print(
-                f"{prog}: not even {axis.replace('_', ' ')} {search['traced'][0]['value']} fits "
-                f"{target.card.name}: it needs {gib(search['traced'][0]['need'])} GiB of "
-                f"{gib(target.usable)}",
-                file=sys.stderr,
-            )
-            return 3
-        est.largest = search
-    else:
-        est = estimate(spec, progress=say, allocator=allocator, target=target)
-    data = json.dumps(est.to_dict(), indent=1)
-    print(data if ns.json else render(est))
-    if out is not None:
-        write_output(out, data + "\n", "--out", prog)
-        print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
-    return 0
-
-
-def _cmd_estimate_script(ns: argparse.Namespace, prog: str, out: Path | None) -> int:
-    from collector.estimate import render
-
-    quiet = ns.json or not sys.stderr.isatty()
-
-    def say(m: str) -> None:
-        if not quiet:
-            print(f"… {m}", file=sys.stderr)
-
     try:
-        est, error = _estimate_script(ns, prog, say)
+        outcome = run_estimate(req, progress=say)
     except EstimateError as exc:
         raise UserError(f"{prog}: {exc}") from None
+    est = outcome.estimate
+    if est is None and outcome.search is not None and req.target is not None:
+        first = outcome.search["traced"][0]
+        print(
+            f"{prog}: not even {req.search.replace('_', ' ')} {first['value']} fits "
+            f"{req.target.card.name}: it needs {gib(first['need'])} GiB of "
+            f"{gib(req.target.usable)}",
+            file=sys.stderr,
+        )
+        return 3
     if est is not None:
         data = json.dumps(est.to_dict(), indent=1)
         print(data if ns.json else render(est))
         if out is not None:
             write_output(out, data + "\n", "--out", prog)
             print(f"estimate: {out}  (stepmem report RUN --estimate {out})", file=sys.stderr)
-    if error:  # 1: the estimate above is of the steps traced before it; 2: there is none
+    if outcome.error:  # 1: the estimate above is of the steps traced before it; 2: there is none
         kept = " (the estimate above holds the steps traced before it)" if est else ""
-        print(f"{prog}: {error}{kept}", file=sys.stderr)
+        print(f"{prog}: {outcome.error}{kept}", file=sys.stderr)
         return 1 if est is not None else 2
     return 0
 

@@ -290,7 +290,6 @@ def _fit_flags(e) -> None:
     fit.add_argument(
         "--margin",
         type=float,
-        default=2.0,
         metavar="PCT",
         help="percent of what torch may reserve kept free when judging a fit (default 2, up to 50)",
     )
@@ -365,7 +364,6 @@ def _estimate_parser(sub) -> None:
     e.add_argument(
         "--workload",
         choices=WORKLOADS,
-        default="finetune",
         help="finetune: the HF Trainer's step (bf16 autocast, gradient checkpointing, "
         "gradients freed after the step); distributed: workloads/distributed.py's plain loop "
         "(fp32, gradients kept, FSDP2 by default). Default finetune",
@@ -378,7 +376,6 @@ def _estimate_parser(sub) -> None:
     e.add_argument(
         "--world-size",
         type=args.positive_int,
-        default=1,
         metavar="N",
         help="ranks the model is sharded over; one rank is estimated (default 1)",
     )

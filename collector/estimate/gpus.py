@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
+from collector.model.files import atomic_write
 from collector.model.units import GIB, MIB
 from collector.model.untrusted import inert, read_json
 
@@ -161,9 +162,7 @@ def save_calibration(c: Calibration, path: Path | None = None) -> Path:
     kept = [k for k in kept if (k.gpu, k.driver, k.torch) != (c.gpu, c.driver, c.torch)]
     kept.append(c)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"calibrations": [asdict(k) for k in kept]}, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write(path, json.dumps({"calibrations": [asdict(k) for k in kept]}, indent=1) + "\n")
     return path
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
+from collector.model.kinds import ESTIMATE_KINDS, MemoryKind, Phase
 from collector.model.prediction import Estimate
 from collector.model.units import GIB, MIB
 
@@ -93,7 +93,7 @@ def _where(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
             f"Step 2's peak is {f(jump)} {unit} above step 1's: optimizer state created by step "
             "1's optimizer step is resident during step 2's forward and backward."
         )
-    if est.peak_phase == "optimizer step":
+    if est.peak_phase == Phase.OPTIMIZER:
         temporaries = est.steady.get(MemoryKind.OPTIMIZER_STEP_TEMPORARIES, 0)
         lines.append(
             "The peak is in the optimizer step: parameters, gradients and state, with the "

@@ -42,8 +42,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,90 +50,34 @@ from typing import Any
 import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
 from collector.estimate.allocator import AllocatorConfig
-from collector.estimate.fit import Target, hold
-from collector.estimate.script.fakes import (
+from collector.estimate.fakes import (
     Reads,
     conversions_in_place,
     data_follows_device,
     fake_mode,
     parameter_subclasses,
 )
-from collector.estimate.sequence import AllocationLog, Simulated, simulate
+from collector.estimate.fit import Target
+from collector.estimate.sequence import AllocationLog
 from collector.estimate.spec import Spec
+from collector.estimate.tracing import (
+    MAX_STEPS_TRACED,
+    MICRO_TRACED,
+    attention_note,
+    hold_steps,
+    holder_of,
+    index_peaks,
+    module_peaks,
+    parts_of,
+    quiet,
+    step_counters,
+)
 from collector.estimate.tracker import exact_bytes, file_quantisation_state
 from collector.estimate.tracker import tracker as memory_tracker
-from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
+from collector.model.kinds import MemoryKind, Phase
 from collector.model.prediction import Estimate, ModulePeak
 
-__all__ = [
-    "attention_note",
-    "estimate",
-    "hold_steps",
-    "holder_of",
-    "index_peaks",
-    "module_peaks",
-    "parts_of",
-    "quiet",
-    "step_counters",
-]
-
-# MemTracker's reference types (their string values, stable since torch 2.5) → ours
-_TRACKER = {
-    "Parameter": MemoryKind.PARAMETERS,
-    "Buffer": MemoryKind.BUFFERS,
-    "Gradient": MemoryKind.GRADIENTS,
-    "Optstate": MemoryKind.OPTIMIZER_STATE,
-    "Activation": MemoryKind.ACTIVATIONS,
-    "Temp": MemoryKind.TEMPORARIES,
-    "Other": MemoryKind.OTHER,
-    # FSDPMemTracker's (FSDP2): a rank's shards, the all-gathered copies, the collectives' buffers
-    "Sharded Param": MemoryKind.PARAMETERS,
-    "Unsharded Param": MemoryKind.UNSHARDED_PARAMETERS,
-    "Sharded Grad": MemoryKind.GRADIENTS,
-    "Unsharded Grad": MemoryKind.UNSHARDED_GRADIENTS,
-    "All Gather": MemoryKind.COMMUNICATION,
-    "Reduce Scatter": MemoryKind.COMMUNICATION,
-    "OptState": MemoryKind.OPTIMIZER_STATE,
-    "Inputs": MemoryKind.ACTIVATIONS,
-}
-_PHASES = {
-    "Peak-Forward": "forward",  # MemTracker's
-    "Peak-Backward": "backward",
-    "Peak Forward": "forward",  # FSDPMemTracker's
-    "Peak Backward": "backward",
-}
-MAX_STEPS_TRACED = 2
-MICRO_TRACED = 2  # micro-batches traced a step: from the second on, each holds what the last did
-MODULE_DEPTH = 4  # module names kept in the per-module account (Model.model.layers.N)
-
-
-def parts_of(snap: dict[Any, dict[Any, int]], device: Any) -> dict[MemoryKind, int]:
-    """One device's bytes by kind (optimizer step counters live on the host under CUDA)."""
-    out = dict.fromkeys(ESTIMATE_KINDS, 0)
-    for dev, dev_snap in snap.items():
-        if dev != device:
-            continue
-        for k, v in dev_snap.items():
-            name = _TRACKER.get(str(getattr(k, "value", k)))
-            if name:
-                out[name] += int(v)
-    return out
-
-
-def module_peaks(tracker: Any, root: str, device: Any) -> list[ModulePeak]:
-    out = []
-    for stats in list(tracker.memory_tracking.values()):
-        name = stats.mod_fqn
-        if name.count(".") >= MODULE_DEPTH or name.split(".")[0] != root:
-            continue  # deeper than the account keeps, or an autograd Function ("Func")
-        for state, snaps in stats.snapshots.items():
-            phase = _PHASES.get(str(getattr(state, "value", state)))
-            if phase is None:
-                continue
-            for snap in snaps:
-                parts = parts_of(snap, device)
-                out.append(ModulePeak(name, phase, sum(parts.values()), parts))
-    return out
+__all__ = ["estimate"]
 
 
 class _Stack:
@@ -171,22 +114,6 @@ def _most_unsharded(tracker: Any, device: Any) -> int:
             for snap in snaps:
                 most = max(most, parts_of(snap, device)[MemoryKind.UNSHARDED_PARAMETERS])
     return most
-
-
-def step_counters(opt: Any) -> list[Any]:
-    """The optimizer's per-parameter ``step`` tensors (CPU scalars under CUDA unless capturable:
-    on the CPU stand-in they are on the traced device, where CUDA would not hold them)."""
-    import torch
-
-    return [st["step"] for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
-
-
-def holder_of(mods: list[ModulePeak], peak: int) -> ModulePeak | None:
-    """The innermost module whose pass holds the step's peak (the deepest name at that total)."""
-    at = [m for m in mods if m.total >= peak]
-    if not at:
-        return max(mods, key=lambda m: m.total) if mods else None
-    return max(at, key=lambda m: m.module.count("."))
 
 
 def _notes(spec: Spec, cuda: bool) -> list[str]:
@@ -283,44 +210,6 @@ def _tracker(mesh: Any, model: Any, opt: Any) -> Any:
     return tracker
 
 
-def index_peaks(tracker: Any) -> None:
-    """The same per-module peak update as MemTracker's ``_update_peak_stats``, looked up by the
-    active modules' names instead of a walk over every module on every operator (which made a
-    7B trace spend most of its time there: O(operators x modules)). Left as torch's when its
-    internals are not the ones this was written against."""
-    need = ("memory_tracking", "_mod_tracker", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
-    if not all(hasattr(tracker, n) for n in need):
-        return
-    from copy import deepcopy
-
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
-    by_name: dict[str, list[Any]] = {}
-    seen = [-1]
-
-    def update(peak_state: Any) -> None:
-        if len(tracker.memory_tracking) != seen[0]:
-            by_name.clear()
-            for stats in tracker.memory_tracking.values():
-                by_name.setdefault(stats.mod_fqn, []).append(stats)
-            seen[0] = len(tracker.memory_tracking)
-        snap = tracker._curr_mem_snap
-        for name in tracker._mod_tracker.parents:
-            for stats in by_name.get(name, ()):
-                if peak_state not in stats.snapshots:
-                    continue
-                for dev, dev_snap in snap.items():
-                    if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                        stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                        stats.snapshots[peak_state][-1][dev] = deepcopy(dev_snap)
-        for dev, dev_snap in snap.items():
-            if tracker._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                tracker._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
-
-    tracker._update_peak_stats = update
-
-
 def _trace_step(
     step: int, spec: Spec, model: Any, opt: Any, device: Any, mesh: Any, t: _Trace, say: Any
 ) -> None:
@@ -336,11 +225,11 @@ def _trace_step(
         for micro in range(min(spec.grad_accum, MICRO_TRACED)):
             say(f"tracing step {step}, micro-batch {micro + 1}/{spec.grad_accum}")
             tracker.reset_mod_stats()  # one forward per module per record
-            mark(f"{step} forward {micro + 1}")
+            mark(f"{step} {Phase.FORWARD} {micro + 1}")
             ids = torch.randint(0, vocab, (spec.batch, spec.seq_len), device=device)
             with torch.autocast(device.type, torch.bfloat16, enabled=spec.bf16):
                 loss = model(input_ids=ids, labels=ids).loss
-            mark(f"{step} backward {micro + 1}")
+            mark(f"{step} {Phase.BACKWARD} {micro + 1}")
             (loss / spec.grad_accum).backward()
             del loss, ids
             peak = sum(parts_of(tracker.get_tracker_snapshot("peak"), device).values())
@@ -350,7 +239,7 @@ def _trace_step(
                 t.unsharded = max(t.unsharded, _most_unsharded(tracker, device))
         before = sum(parts_of(tracker.get_tracker_snapshot("peak"), device).values())
         say(f"tracing step {step}'s optimizer step")
-        mark(f"{step} optimizer")
+        mark(f"{step} {Phase.OPTIMIZER}")
         opt.step()
         model.zero_grad(set_to_none=not spec.keep_grads)
         parts = parts_of(tracker.get_tracker_snapshot("peak"), device)
@@ -364,7 +253,7 @@ def _trace_step(
         parts[MemoryKind.OPTIMIZER_STEP_TEMPORARIES] += extra
         t.per_step.append(parts)
     t.tracker = None
-    mark(f"{step} end")
+    mark(f"{step} {Phase.END}")
 
 
 def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t: _Trace) -> str:
@@ -383,15 +272,6 @@ def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t
         f"at {Path(frame.filename).name}:{frame.lineno}): parameters, gradients and "
         "optimizer state are from shapes; activations and temporaries are not estimated"
     )
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        # ModTracker warns on every recomputed (checkpointed) forward; deprecations are noise
-        warnings.filterwarnings("ignore", message=".*module hierarchy tracking")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        yield
 
 
 def _where(t: _Trace, stack: list[_Stack]) -> Callable[[], str]:
@@ -455,7 +335,7 @@ def estimate(
             more.enter_context(t.log.resizes())
             more.enter_context(t.log.streams_followed(cuda))
             more.enter_context(t.log.mode())
-            t.log.mark("build")
+            t.log.mark(Phase.BUILD)
         say("building the model on fake tensors")
         with torch.device(device):
             model = build_model() if build_model is not None else build.build_model(spec, device)
@@ -482,61 +362,6 @@ def estimate(
     out = _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
     if t.log is not None:
         hold_steps(out, t.log, allocator, target)
-    return out
-
-
-def attention_note(chosen: dict[str, int]) -> list[str]:
-    if not chosen:
-        return []
-    kinds = ", ".join(f"{k} ({n} calls)" for k, n in sorted(chosen.items()))
-    note = f"attention traced on the kernel CUDA picks: {kinds}"
-    if "math" in chosen:
-        note += " — the math kernel keeps each layer's attention probabilities for backward"
-    return [note]
-
-
-def hold_steps(
-    out: Estimate, log: AllocationLog, allocator: AllocatorConfig, target: Target | None
-) -> None:
-    """What the GPU holds: the sequence through the allocator model, per traced step; with a
-    card, whether the step fits it and, if not, where it first runs out."""
-    sim = simulate(log.events, allocator, streams=log.streams)
-    out.allocator = allocator.describe()
-    out.steps = _steps(sim)
-    hold(
-        out,
-        target,
-        lambda limit, fraction: simulate(
-            log.events,
-            allocator,
-            limit=limit,
-            fraction=fraction,
-            where=log.where,
-            streams=log.streams,
-        ),
-    )
-
-
-def _steps(sim: Simulated) -> list[dict[str, Any]]:
-    """Each traced step: allocated and reserved peaks (and the phase of the reserved one) and
-    what stays at its end, as torch's counters would read them."""
-    out = []
-    for step in range(1, MAX_STEPS_TRACED + 1):
-        phases = [p for p in sim.intervals if p.startswith(f"{step} ")]
-        if not phases:
-            continue
-        whole = sim.over(*phases)
-        top = max(phases, key=lambda p: sim.intervals[p].reserved_peak)
-        out.append(
-            {
-                "step": step,
-                "allocated_peak": whole.allocated_peak,
-                "reserved_peak": whole.reserved_peak,
-                "allocated_end": whole.allocated,
-                "reserved_end": whole.reserved,
-                "reserved_peak_phase": top.split(" ", 1)[1],
-            }
-        )
     return out
 
 
@@ -568,7 +393,7 @@ def _result(
         at_end={k: t.at_end.get(k, 0) for k in resident},
         optimizer_state_managed=int(getattr(opt, "managed", 0)),
         peak_module=holder.module if holder else "",
-        peak_phase=holder.phase if holder else ("optimizer step" if t.in_optimizer else ""),
+        peak_phase=holder.phase if holder else (Phase.OPTIMIZER if t.in_optimizer else ""),
         modules=mods,
         notes=notes,
         stopped_at=t.stopped,

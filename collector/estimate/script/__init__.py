@@ -26,15 +26,14 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from collector.estimate.request import EstimateRequest
 from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate
 from collector.supervise import GRACE_S, supervised
 
-__all__ = ["DEFAULT_TIME_LIMIT", "estimate_script"]
+__all__ = ["estimate_script"]
 
-DEFAULT_TIME_LIMIT = 900.0  # seconds: a 7B traces in about two minutes on a GPU host
 MAX_RESULT_BYTES = 64 << 20
 # the script's environment under the estimate: the Hub off (nothing is fetched: a hub kernel
 # could not run on fake tensors anyway, and transformers falls back to torch's own), weights
@@ -65,24 +64,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def _request(script: Path, args: list[str], result: Path, **settings: Any) -> dict[str, Any]:
-    return {"script": str(script), "args": list(args), "result": str(result), **settings}
-
-
 def estimate_script(
-    script: Path,
-    args: list[str],
-    *,
-    time_limit: float = DEFAULT_TIME_LIMIT,
-    progress: Callable[[str], None] | None = None,
-    **settings: Any,
+    req: EstimateRequest, progress: Callable[[str], None] | None = None
 ) -> tuple[Estimate | None, str]:
-    """Estimate ``script`` run with ``args`` (see the module doc). ``settings``: ``alloc_conf``,
-    ``gpu``, ``margin``, ``fraction`` (as ``stepmem estimate``'s flags). Returns the estimate
-    (None: no step was traced) and the error that stopped the script early ("": none);
-    :class:`EstimateError` when the script cannot be run or is stopped at ``time_limit``."""
+    """Estimate the script ``req`` names (see the module doc; the request is planned and checked:
+    :func:`collector.estimate.request.plan_estimate`). Returns the estimate (None: no step was
+    traced) and the error that stopped the script early ("": none); :class:`EstimateError` when
+    the script cannot be run or is stopped at its time limit."""
     say = progress or (lambda _m: None)
-    script = script.resolve()
+    assert req.script is not None
+    script, time_limit = req.script.path, req.script.time_limit
     if not script.is_file():
         raise EstimateError(f"--script {script}: no such file")
     env = dict(os.environ)
@@ -90,15 +81,15 @@ def estimate_script(
     env.update(SCRIPT_ENV)
     env.pop("STEPMEM_ESTIMATE", None)  # the probe's "predicted peak" input, not this
     with tempfile.TemporaryDirectory(prefix="stepmem-estimate-") as tmp:
-        result, req = Path(tmp) / "result.json", Path(tmp) / "request.json"
-        req.write_text(json.dumps(_request(script, args, result, **settings)))
+        result, req_file = Path(tmp) / "result.json", Path(tmp) / "request.json"
+        req_file.write_text(json.dumps({"request": req.to_dict(), "result": str(result)}))
         say(
             f"running {script.name} on fake tensors to the end of its second probe step "
             f"(its output follows; stopped after {time_limit:.0f} s)"
         )
         proc = subprocess.Popen(  # under the keeper: a process group of its own, ended with
             # this process even when it is killed outright
-            supervised([sys.executable, "-m", "collector.estimate.script.child", str(req)]),
+            supervised([sys.executable, "-m", "collector.estimate.script.child", str(req_file)]),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),

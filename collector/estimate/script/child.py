@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import runpy
 import sys
 import time
@@ -32,9 +31,7 @@ from typing import Any
 import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
 from collector.estimate.allocator_config import AllocatorConfig
-from collector.estimate.fit import Target
-from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
-from collector.estimate.script.fakes import (
+from collector.estimate.fakes import (
     PLACEHOLDERS,
     Reads,
     conversions_in_place,
@@ -46,11 +43,15 @@ from collector.estimate.script.fakes import (
     place,
     pools_inline,
 )
+from collector.estimate.fit import Target
+from collector.estimate.gpus import Card
+from collector.estimate.request import EstimateRequest
+from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
 from collector.estimate.script.paged import paged_state
 from collector.estimate.script.steps import ScriptSteps
 from collector.estimate.script.weights import headers_only
 from collector.estimate.sequence import AllocationLog
-from collector.estimate.trace import (
+from collector.estimate.tracing import (
     attention_note,
     hold_steps,
     holder_of,
@@ -60,7 +61,8 @@ from collector.estimate.trace import (
 )
 from collector.estimate.tracker import exact_bytes, tracker
 from collector.model import marks
-from collector.model.kinds import MemoryKind
+from collector.model.files import atomic_write
+from collector.model.kinds import MemoryKind, Phase
 from collector.model.prediction import Estimate
 
 __all__ = ["main", "trace_script"]
@@ -190,7 +192,7 @@ class _Run:
             st.callback(roots.close)
             st.callback(marks.listen, None)
             marks.listen(self.steps)
-            self.log.mark("build")
+            self.log.mark(Phase.BUILD)
             self._run_script(args)
             if not self.steps.models:
                 self.steps.models = roots.found[:1]
@@ -269,7 +271,7 @@ def trace_script(
     args: list[str],
     allocator: AllocatorConfig,
     target: Target | None,
-    card: Any,
+    card: Card,
     real: bool = False,
 ) -> tuple[Estimate | None, str]:
     """Run ``script`` with ``args`` under the estimate; its estimate (None: no step traced)
@@ -331,7 +333,7 @@ def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
         at_end={k: s.at_end.get(k, 0) for k in resident},
         optimizer_state_managed=managed,
         peak_module=holder.module if holder else "",
-        peak_phase=holder.phase if holder else ("optimizer step" if s.in_optimizer else ""),
+        peak_phase=holder.phase if holder else (Phase.OPTIMIZER if s.in_optimizer else ""),
         modules=s.modules,
         notes=notes,
         stopped_at=run.error.split(": ", 1)[0] if run.error else "",
@@ -366,32 +368,23 @@ def _notes(run: _Run, traced: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from collector.estimate import gpus
-
+    """Run the request in ``argv[0]`` (written by the parent: a planned
+    :class:`~collector.estimate.request.EstimateRequest` and where the result goes)."""
     argv = sys.argv[1:] if argv is None else argv
-    req = json.loads(Path(argv[0]).read_text())
-    allocator = (
-        AllocatorConfig.parse(req["alloc_conf"], "--alloc-conf")
-        if req.get("alloc_conf")
-        else AllocatorConfig.from_env()
-    )
-    import torch
-
-    # the GPU held against: the one named, else this machine's; without either, no verdict on
-    # fitting, and the H200's figures for what mem_get_info answers the script
-    named = req.get("gpu") or None
-    cuda = torch.cuda.is_available()
-    card = gpus.card(named) if named else gpus.local_card() if cuda else gpus.card("H200")
-    held = named or cuda
-    target = Target(card, req.get("margin", 0.0), req.get("fraction")) if held else None
+    doc = json.loads(Path(argv[0]).read_text())
+    req = EstimateRequest.from_dict(doc["request"])
+    assert req.script is not None
     sys.stdout = sys.stderr  # the script's prints are not the estimate
     est, error = trace_script(
-        Path(req["script"]), list(req["args"]), allocator, target, card, bool(req.get("real"))
+        req.script.path,
+        list(req.script.args),
+        req.allocator,
+        req.target,
+        req.counters_card,
+        req.real,
     )
     result = {"estimate": est.to_dict() if est else None, "error": error}
-    tmp = Path(req["result"] + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, req["result"])
+    atomic_write(Path(doc["result"]), json.dumps(result))
     return 0
 
 

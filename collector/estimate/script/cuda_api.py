@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from collector.estimate.allocator import AllocatorConfig, CachingAllocator
-from collector.estimate.script.swap import swapped
 from collector.estimate.sequence import AllocationLog
+from collector.estimate.swap import swapped
 
 __all__ = ["LiveAllocator", "counters_answered", "cuda_on_cpu"]
 

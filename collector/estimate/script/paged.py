@@ -15,8 +15,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from collector.estimate.script.swap import swapped
 from collector.estimate.sequence import AllocationLog
+from collector.estimate.swap import swapped
 from collector.estimate.tracker import MANAGED
 
 __all__ = ["PAGED_MIN", "paged_state"]

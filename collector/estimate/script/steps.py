@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from collector.estimate.sequence import AllocationLog
-from collector.estimate.trace import module_peaks, parts_of
+from collector.estimate.tracing import module_peaks, parts_of
 from collector.estimate.tracker import file_quantisation_state
-from collector.model.kinds import MemoryKind
+from collector.model.kinds import MemoryKind, Phase
 from collector.model.marks import TraceDone
 from collector.model.prediction import ModulePeak
 
@@ -92,7 +92,7 @@ class ScriptSteps:
         self.numbers.append(int(step) if isinstance(step, int) else self._n)
         self._before_opt = None
         if self.log is not None:
-            self.log.mark(f"{self._n} step")
+            self.log.mark(f"{self._n} {Phase.STEP}")
         self._file_quantisation_state()
         self._restart_peaks()
         self.tracker.reset_mod_stats()
@@ -101,7 +101,7 @@ class ScriptSteps:
     def phase(self, name: str) -> None:
         if not self._open:
             return
-        if name == "optimizer":
+        if name == Phase.OPTIMIZER:
             self._before_opt = self._peak_total()
         if self.log is not None:
             self.log.mark(f"{self._n} {str(name)[:40]}")
@@ -125,7 +125,7 @@ class ScriptSteps:
         self.per_step.append(parts)
         self._keep_modules()
         if self.log is not None:
-            self.log.mark(f"{self._n} end")
+            self.log.mark(f"{self._n} {Phase.END}")
         if self.live is not None:
             self.live.reset_peaks()
         if self._n >= STEPS_TRACED:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from collector.estimate.script.swap import swapped
+from collector.estimate.swap import swapped
 
 __all__ = [
     "PLACEHOLDERS",

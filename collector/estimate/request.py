@@ -1,0 +1,288 @@
+"""An estimate planned once: :class:`EstimateFlags` (what the user asked, ``None`` where a flag
+was not given) become an :class:`EstimateRequest` in :func:`plan_estimate` — every default and
+every check of ``stepmem estimate`` in this one place, before anything is traced or any child
+process starts, for ``--size``, ``--config`` and ``--script`` alike (as
+:func:`collector.run.plan_job` plans a job).
+
+The request says what is estimated (a :class:`~collector.estimate.spec.Spec`, or a
+:class:`ScriptSubject`: the user's script with its arguments and time limit), the caching
+allocator's settings, the GPU the step is held against (:class:`~collector.estimate.fit.Target`,
+or none), the card ``torch.cuda``'s counters answer from, and the search (``--max-batch``,
+``--max-seq-len``). It is also the file a script's child process reads
+(:meth:`EstimateRequest.to_dict` / :meth:`~EstimateRequest.from_dict`).
+
+One rule for the card: ``--gpu`` names it, else this machine's GPU; without either there is no
+target (no verdict on fitting), and a script's counters (``mem_get_info`` …) answer as the H200,
+the card stepmem measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import collector.estimate.fit as fit
+import collector.estimate.gpus as gpus
+from collector.estimate.allocator_config import AllocatorConfig
+from collector.estimate.spec import Spec, read_config
+from collector.model.errors import EstimateError
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "DEFAULT_TIME_LIMIT",
+    "EstimateFlags",
+    "EstimateRequest",
+    "ScriptSubject",
+    "plan_estimate",
+]
+
+DEFAULT_MARGIN = 2.0  # percent of what torch may reserve, kept free when judging a fit
+DEFAULT_TIME_LIMIT = 900.0  # seconds a script may take to its second probe step
+DEFAULT_WORKLOAD = "finetune"
+COUNTERS_CARD = "H200"  # a script's torch.cuda counters without a GPU to hold it against
+MAX_TIME_LIMIT = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class EstimateFlags:
+    """``stepmem estimate``'s flags as given (``None``/``False``: not given). The command's
+    parser has one flag per field, of the same name (a test holds the two together)."""
+
+    workload: str | None = None
+    shard: str | None = None
+    world_size: int | None = None
+    size: str | None = None
+    config: Path | None = None
+    like: Path | None = None
+    optim: str | None = None
+    seq_len: int | None = None
+    batch: int | None = None
+    grad_accum: int | None = None
+    no_checkpointing: bool = False
+    fp32: bool = False
+    lora_r: int | None = None
+    lora_targets: str | None = None
+    load_in_4bit: bool = False
+    script: Path | None = None
+    script_args: tuple[str, ...] = ()
+    time_limit: float | None = None
+    gpu: str | None = None
+    alloc_conf: str | None = None
+    memory_fraction: float | None = None
+    margin: float | None = None
+    max_batch: bool = False
+    max_seq_len: bool = False
+
+    @classmethod
+    def of(cls, ns: Any) -> EstimateFlags:
+        """The flags of a parsed command line (any object with these attributes), the
+        ``--`` before a script's arguments dropped."""
+        given = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        rest = list(given.get("script_args") or ())
+        given["script_args"] = tuple(rest[1:] if rest and rest[0] == "--" else rest)
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class ScriptSubject:
+    """A user's training script: run as ``python PATH ARGS`` on fake tensors, stopped at its
+    second probe step or after ``time_limit`` seconds."""
+
+    path: Path
+    args: tuple[str, ...] = ()
+    time_limit: float = DEFAULT_TIME_LIMIT
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    """A checked estimate: what is estimated, the allocator's settings, the GPU it is held
+    against (None: no verdict), the card a script's ``torch.cuda`` counters answer from, and
+    the axis searched for its largest value that fits (None: no search). ``real``: the script on
+    real CPU tensors instead of fake ones (the tests hold the two to each other)."""
+
+    subject: Spec | ScriptSubject
+    allocator: AllocatorConfig
+    target: fit.Target | None
+    counters_card: gpus.Card
+    search: str | None = None
+    real: bool = False
+
+    @property
+    def script(self) -> ScriptSubject | None:
+        return self.subject if isinstance(self.subject, ScriptSubject) else None
+
+    @property
+    def spec(self) -> Spec | None:
+        return self.subject if isinstance(self.subject, Spec) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as JSON data (what a script's child process reads)."""
+        s = self.subject
+        if isinstance(s, ScriptSubject):
+            subject = {"script": str(s.path), "args": list(s.args), "time_limit": s.time_limit}
+        else:
+            subject = {"spec": {**asdict(s), "lora_targets": list(s.lora_targets)}}
+        t = self.target
+        return {
+            "subject": subject,
+            "allocator": {
+                **asdict(self.allocator),
+                "roundup_power2_divisions": list(self.allocator.roundup_power2_divisions),
+            },
+            "target": None
+            if t is None
+            else {"card": t.card.to_dict(), "margin": t.margin, "fraction": t.fraction},
+            "counters_card": self.counters_card.to_dict(),
+            "search": self.search,
+            "real": self.real,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> EstimateRequest:
+        """A request read back (:class:`EstimateError` for anything malformed)."""
+        try:
+            s = d["subject"]
+            if "script" in s:
+                subject: Spec | ScriptSubject = ScriptSubject(
+                    Path(str(s["script"])),
+                    tuple(str(a) for a in s["args"]),
+                    float(s["time_limit"]),
+                )
+            else:
+                spec = dict(s["spec"])
+                subject = Spec(**{**spec, "lora_targets": tuple(spec.get("lora_targets") or ())})
+            a = dict(d["allocator"])
+            allocator = AllocatorConfig(
+                **{**a, "roundup_power2_divisions": tuple(a["roundup_power2_divisions"])}
+            )
+            t = d["target"]
+            target = (
+                None
+                if t is None
+                else fit.Target(gpus.Card(**t["card"]), float(t["margin"]), t["fraction"])
+            )
+            return cls(
+                subject,
+                allocator,
+                target,
+                gpus.Card(**d["counters_card"]),
+                d.get("search"),
+                bool(d.get("real", False)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise EstimateError(f"an estimate request that cannot be read ({exc})") from None
+
+
+def plan_estimate(
+    flags: EstimateFlags, cuda: bool, like: Any = None, *, real: bool = False
+) -> EstimateRequest:
+    """The request ``flags`` describe on this machine (``cuda``: it has a GPU torch can use;
+    ``like``: the workload summary of the run ``--like`` names, as data). Every check is here:
+    :class:`EstimateError`, one line, before anything runs."""
+    allocator = _allocator(flags.alloc_conf)
+    if flags.script is not None:
+        subject: Spec | ScriptSubject = _script(flags)
+    else:
+        if flags.script_args or flags.time_limit is not None:
+            raise EstimateError("arguments after '--' and --time-limit are for --script")
+        subject = _spec(flags, cuda, like)
+    target, counters = _target(flags, cuda)
+    search = "batch" if flags.max_batch else "seq_len" if flags.max_seq_len else None
+    if search is not None and target is None:
+        flag = "--max-batch" if flags.max_batch else "--max-seq-len"
+        raise EstimateError(f"{flag} needs --gpu NAME|GIB (this machine has no GPU)")
+    return EstimateRequest(subject, allocator, target, counters, search, real)
+
+
+# what a script sets itself: flags --script refuses
+_SCRIPT_DECIDES = (
+    ("workload", "--workload"),
+    ("shard", "--shard"),
+    ("world_size", "--world-size"),
+    ("optim", "--optim"),
+    ("seq_len", "--seq-len"),
+    ("batch", "--batch"),
+    ("grad_accum", "--grad-accum"),
+    ("no_checkpointing", "--no-checkpointing"),
+    ("fp32", "--fp32"),
+    ("max_batch", "--max-batch"),
+    ("max_seq_len", "--max-seq-len"),
+    ("lora_r", "--lora-r"),
+    ("lora_targets", "--lora-targets"),
+    ("load_in_4bit", "--load-in-4bit"),
+)
+
+
+def _script(flags: EstimateFlags) -> ScriptSubject:
+    given = [flag for key, flag in _SCRIPT_DECIDES if getattr(flags, key) not in (None, False)]
+    if given:
+        raise EstimateError(
+            "--script takes the model, optimizer and batch from the script; "
+            f"drop {', '.join(given)}"
+        )
+    path = Path(flags.script).resolve()
+    if not path.is_file():
+        raise EstimateError(f"--script {flags.script}: no such file")
+    limit = DEFAULT_TIME_LIMIT if flags.time_limit is None else flags.time_limit
+    if not (math.isfinite(limit) and 0 < limit <= MAX_TIME_LIMIT):
+        raise EstimateError(f"--time-limit {limit:g}: seconds, above 0 and at most a week")
+    return ScriptSubject(path, tuple(flags.script_args), float(limit))
+
+
+def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
+    """The spec the flags describe, on this machine (its defaults: :meth:`Spec.for_machine`)."""
+    workload = flags.workload or DEFAULT_WORKLOAD
+    dist = workload == "distributed"
+    if not dist and (flags.shard or (flags.world_size or 1) != 1):
+        raise EstimateError("--shard and --world-size are for --workload distributed")
+    given: dict[str, Any] = dict(
+        optim=flags.optim,
+        seq_len=flags.seq_len,
+        batch=flags.batch,
+        grad_accum=flags.grad_accum,
+        size=flags.size,
+        config=read_config(flags.config) if flags.config is not None else None,
+        bf16=False if flags.fp32 else None,
+        checkpointing=False if flags.no_checkpointing else None,
+        lora_r=flags.lora_r,
+        lora_targets=tuple(t.strip() for t in flags.lora_targets.split(",") if t.strip())
+        if flags.lora_targets
+        else None,
+        load_in_4bit=True if flags.load_in_4bit else None,
+    )
+    if dist:
+        given.update(shard=flags.shard, world_size=flags.world_size)
+    spec = Spec.for_machine(cuda, workload, **given)
+    if flags.like is not None:  # the run's model and batch; what the flags name wins
+        spec = spec.like(like, str(flags.like))
+        named = {k: v for k, v in (("optim", flags.optim), ("seq_len", flags.seq_len)) if v}
+        spec = replace(spec, **named)
+    spec.validate()
+    return spec
+
+
+def _target(flags: EstimateFlags, cuda: bool) -> tuple[fit.Target | None, gpus.Card]:
+    """The GPU held against (``--gpu``, else this machine's; None without either) with the
+    margin and memory fraction, and the card a script's counters answer from."""
+    margin = (DEFAULT_MARGIN if flags.margin is None else flags.margin) / 100
+    fit.check(margin, flags.memory_fraction)
+    if flags.gpu is not None:
+        card = gpus.card(flags.gpu)
+    elif cuda:
+        card = gpus.local_card()
+    else:
+        if flags.memory_fraction is not None:
+            raise EstimateError("--memory-fraction needs --gpu NAME|GIB (this machine has no GPU)")
+        return None, gpus.card(COUNTERS_CARD)
+    return fit.Target(card, margin, flags.memory_fraction), card
+
+
+def _allocator(conf: str | None) -> AllocatorConfig:
+    if conf is None:
+        return AllocatorConfig.from_env()
+    try:
+        return AllocatorConfig.parse(conf, "--alloc-conf")
+    except EstimateError as exc:
+        raise EstimateError(f"--alloc-conf {conf}: {exc}") from None

@@ -1,0 +1,57 @@
+"""The estimate's entry: a planned :class:`~collector.estimate.request.EstimateRequest` run —
+a spec traced (:func:`collector.estimate.trace.estimate`), searched for its largest size that
+fits (:func:`collector.estimate.largest.largest`), or a user's script estimated in a child
+process (:mod:`collector.estimate.script`, which nothing else imports)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from collector.estimate.largest import largest
+from collector.estimate.request import EstimateRequest
+from collector.estimate.trace import estimate
+from collector.model.prediction import Estimate
+
+__all__ = ["Outcome", "run_estimate"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an estimate gave: the estimate (None: none was made — no step traced, or nothing
+    searched fits), the error that stopped a script early ("": none), and a search's record."""
+
+    estimate: Estimate | None
+    error: str = ""
+    search: dict[str, Any] | None = None
+
+
+def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = None) -> Outcome:
+    """Run ``req`` (see the module doc); ``progress`` hears what is being done, a line a time."""
+    say = progress or (lambda _m: None)
+    if req.script is not None:
+        from collector.estimate.script import estimate_script
+
+        est, error = estimate_script(req, progress=say)
+        return Outcome(est, error)
+    spec = req.spec
+    assert spec is not None
+    model = spec.size or (spec.config or {}).get("model_type", "a config")
+    say(
+        f"tracing {model} ({spec.optim}, batch {spec.batch} × {spec.seq_len}) for two steps on "
+        "fake tensors: seconds for a small model, under a minute for a 7B"
+    )
+
+    def trace(s: Any) -> Estimate:
+        return estimate(s, allocator=req.allocator, target=req.target)
+
+    if req.search is not None and req.target is not None:
+        say(
+            f"searching the largest {'micro-batch' if req.search == 'batch' else 'sequence length'}"
+        )
+        est, search = largest(spec, req.search, req.target, trace, progress=say)
+        if est is not None:
+            est.largest = search
+        return Outcome(est, search=search)
+    return Outcome(estimate(spec, progress=say, allocator=req.allocator, target=req.target))

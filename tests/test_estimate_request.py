@@ -1,0 +1,147 @@
+"""The estimate planned once (:mod:`collector.estimate.request`): every flag checked before any
+trace or child process, for ``--size``, ``--config`` and ``--script`` alike; the request is the
+file a script's child reads; the command's flags and the request's are one list."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from collector.cli.parsers import build_parser
+from collector.estimate.request import (
+    DEFAULT_TIME_LIMIT,
+    EstimateFlags,
+    EstimateRequest,
+    ScriptSubject,
+    plan_estimate,
+)
+from collector.estimate.spec import Spec
+from collector.model.errors import EstimateError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "benchmarks" / "configs"
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "collector.cli", "estimate", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    """A script that leaves a mark when it runs (a child started it)."""
+    path = tmp_path / "train.py"
+    path.write_text("open('ran', 'w').write('yes')\n")
+    return path
+
+
+def _subjects(script: Path) -> dict[str, list[str]]:
+    config = next(iter(sorted(CONFIG.glob("*.json"))))
+    return {
+        "size": ["--size", "tiny"],
+        "config": ["--config", str(config)],
+        "script": ["--script", str(script)],
+    }
+
+
+@pytest.mark.parametrize("subject", ["size", "config", "script"])
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (["--gpu", "NOPE"], "--gpu NOPE: not a GPU stepmem knows"),
+        (["--gpu", "H100-80GB", "--margin", "80"], "--margin 80: a percentage from 0 to 50"),
+        (["--memory-fraction", "7"], "--memory-fraction 7: a fraction above 0 and at most 1"),
+        (["--margin", "80"], "--margin 80"),
+        (["--alloc-conf", "max_split_size_mb:1"], "torch requires more than 20"),
+    ],
+)
+def test_a_bad_flag_is_one_line_exit_2_before_anything_runs(
+    tmp_path, script, subject, bad, says, record_fault
+):
+    r = _cli(*_subjects(script)[subject], *bad, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == r.stderr.strip().splitlines()[0], r.stderr
+    assert r.stderr.startswith("stepmem estimate: ") and says in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert not (tmp_path / "ran").exists()  # no child ran the script
+    record_fault(
+        f"bad input: stepmem estimate --{subject} … {' '.join(bad)}",
+        r.stderr.strip()[:160],
+        exit_code=2,
+    )
+
+
+def test_every_estimate_flag_is_a_field_of_the_flags():
+    """The parser's flags and :class:`EstimateFlags` are one list: a flag added to one and not
+    the other fails here (the output flags are the command's own)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    dests = {
+        a.dest for a in sub.choices["estimate"]._actions if a.dest not in ("help", "out", "json")
+    }
+    assert dests == {f.name for f in fields(EstimateFlags)}
+
+
+def test_a_script_request_crosses_to_the_child_as_data_and_back(script):
+    req = plan_estimate(
+        EstimateFlags(
+            script=script,
+            script_args=("--lr", "1"),
+            gpu="L4",
+            margin=5.0,
+            memory_fraction=0.5,
+            alloc_conf="expandable_segments:True",
+        ),
+        cuda=False,
+    )
+    assert req.script == ScriptSubject(script.resolve(), ("--lr", "1"), DEFAULT_TIME_LIMIT)
+    back = EstimateRequest.from_dict(json.loads(json.dumps(req.to_dict())))
+    assert back == req
+    assert back.target is not None and back.target.card.name == "NVIDIA L4"
+    assert back.target.margin == 0.05 and back.allocator.expandable_segments
+
+
+def test_a_spec_request_round_trips_too():
+    req = plan_estimate(EstimateFlags(size="tiny", lora_r=4, lora_targets="q_proj"), cuda=False)
+    assert isinstance(req.subject, Spec) and req.subject.lora_targets == ("q_proj",)
+    assert EstimateRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+
+
+def test_one_rule_for_the_card_without_a_gpu(script):
+    """No ``--gpu`` on a machine without one: no target (no verdict) for both paths, and a
+    script's counters answer as the H200's."""
+    for flags in (EstimateFlags(size="tiny"), EstimateFlags(script=script)):
+        req = plan_estimate(flags, cuda=False)
+        assert req.target is None and req.counters_card.name == "NVIDIA H200"
+    named = plan_estimate(EstimateFlags(script=script, gpu="24"), cuda=False)
+    assert named.target is not None and named.counters_card == named.target.card
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ({"optim": "adamw_torch"}, "drop --optim"),
+        ({"workload": "finetune"}, "drop --workload"),
+        ({"world_size": 2}, "drop --world-size"),
+        ({"max_batch": True, "gpu": "H200"}, "drop --max-batch"),
+        ({"time_limit": 0.0}, "--time-limit 0"),
+    ],
+)
+def test_what_a_script_decides_is_refused_with_it(script, flags, says):
+    with pytest.raises(EstimateError, match=says):
+        plan_estimate(EstimateFlags(script=script, **flags), cuda=False)
+
+
+def test_a_request_file_that_is_not_one_is_an_estimate_error():
+    with pytest.raises(EstimateError, match="cannot be read"):
+        EstimateRequest.from_dict({"subject": {"script": "x"}})
