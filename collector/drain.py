@@ -9,16 +9,13 @@ from collections import Counter
 
 import ray
 
+from collector.model.errors import first_line
 from collector.placement import PlacedSampler
 from collector.store import RunWriter
 
 __all__ = ["Drainer", "problems"]
 
 log = logging.getLogger(__name__)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 class Drainer:
@@ -83,7 +80,7 @@ class Drainer:
             return
         except Exception as exc:  # a dead sampler leaves a gap; training goes on
             self.lost(p.name)
-            log.warning("run store: sampler %s unreachable: %s", p.name, _first_line(exc))
+            log.warning("run store: sampler %s unreachable: %s", p.name, first_line(exc))
             return
         self.writer.add_samples(uuid, d["t_ns"], d["used"], d["reserved"])
         self.cursors[uuid] = d["next"]

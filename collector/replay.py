@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.model.errors import InputError, StepmemError
+from collector.model.files import atomic_write
 from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
 from collector.model.step import MAX_BYTES
 from collector.nvml import (
@@ -61,6 +62,7 @@ _FAULTS = {
     "unavailable": NvmlUnavailable,
     "unknown": NvmlUnknown,
 }
+PARQUET = {"compression": "zstd", "compression_level": 9, "use_dictionary": False}  # samples
 FORMAT = 1
 MAX_ROWS = 10_000_000  # samples a replayed capture may hold (24 bytes each, per simulated GPU)
 MAX_EVENT_AFTER_NS = 600 * 1_000_000_000  # events may trail the last sample by this much
@@ -131,16 +133,10 @@ class Capture:
             }
         )
         table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(
-            table,
-            tmp,
-            compression="zstd",
-            compression_level=9,
-            use_dictionary=False,
-            column_encoding=dict.fromkeys(table.column_names, "DELTA_BINARY_PACKED"),
+        encoding = dict.fromkeys(table.column_names, "DELTA_BINARY_PACKED")
+        atomic_write(
+            path, lambda tmp: pq.write_table(table, tmp, **PARQUET, column_encoding=encoding)
         )
-        tmp.replace(path)
         return path
 
     @classmethod

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.backends import BackendSpec
-from collector.model.errors import UserError
+from collector.model.errors import UserError, first_line
 from collector.model.records import SamplerInfo
 from collector.model.settings import JobOptions, SamplerOptions
 from collector.model.step import StepRecord
@@ -46,7 +46,7 @@ class WorkloadFailed(RuntimeError):
 
     def __init__(self, exc: BaseException, step: int | None) -> None:
         where = f" at step {step}" if step is not None else ""
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        first = first_line(exc) if str(exc).strip() else ""
         super().__init__(f"the workload failed{where}: {type(exc).__name__}: {first}")
         self.step = step
 
@@ -210,10 +210,6 @@ def _replay_banner(opts: JobOptions, why: str) -> str:
             "capture plays beside them, not joined to their steps: no NVML figure)"
         )
     return banner
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> SamplerOptions:

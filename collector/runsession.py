@@ -19,7 +19,7 @@ import ray
 from collector.backends import BackendSpec
 from collector.drain import Drainer, problems
 from collector.export.file_sd import TargetsRefresher, write_targets
-from collector.model.errors import StepmemError
+from collector.model.errors import StepmemError, first_line
 from collector.model.settings import JobOptions, SamplerOptions
 from collector.model.step import StepRecord
 from collector.model.units import GIB
@@ -31,10 +31,6 @@ from collector.store import RunWriter
 __all__ = ["RunSession", "redact_args", "what_runs"]
 
 log = logging.getLogger(__name__)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def what_runs(opts: JobOptions) -> str:
@@ -146,7 +142,7 @@ class RunSession:
                     timeout=30,
                 )
             except Exception as exc:
-                log.warning("sampler %s could not be re-aligned: %s", p.name, _first_line(exc))
+                log.warning("sampler %s could not be re-aligned: %s", p.name, first_line(exc))
 
     def _history_env(self) -> None:
         """A live run's probe (built-in workload or a script's own) records allocation history
@@ -270,9 +266,7 @@ def _stop_samplers(placed: list[PlacedSampler], echo) -> tuple[list[dict[str, An
         try:
             health.append(ray.get(p.handle.stop.remote(), timeout=60))
         except Exception as exc:
-            echo(
-                f"warning: sampler {p.name} unreachable at the end of the run ({_first_line(exc)})"
-            )
+            echo(f"warning: sampler {p.name} unreachable at the end of the run ({first_line(exc)})")
             health.append(
                 {
                     "gpu_uuid": p.gpu_uuid,
@@ -306,7 +300,7 @@ def _kept_records(placed: list[PlacedSampler], gone: set[str]) -> list[StepRecor
         try:
             out.extend(ray.get(p.handle.step_records.remote(), timeout=60))
         except Exception as exc:
-            log.warning("sampler %s: records not read: %s", p.name, _first_line(exc))
+            log.warning("sampler %s: records not read: %s", p.name, first_line(exc))
     return out
 
 

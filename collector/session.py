@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from collector.model.errors import StepmemError
+from collector.model.errors import StepmemError, first_line
 
 __all__ = [
     "RaySession",
@@ -89,7 +89,7 @@ def is_loopback_address(address: str | None) -> bool:
 
 def _ray_error(exc: BaseException, address: str | None) -> StepmemError:
     """A Ray start or connection failure as the one line a user can act on."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    first = first_line(exc, 300)
     where = f"the Ray cluster at {address}" if address else "Ray"
     chain, e = [], exc
     while e is not None and len(chain) < 10:
@@ -138,7 +138,7 @@ def _init(address: str | None, **kwargs: Any) -> None:
             log = next((w for w in text.split() if w.endswith((".out", ".err", ".log"))), "")
             raise StepmemError(
                 "Ray could not start its head on this machine ("
-                + (text.strip().splitlines() or [type(exc).__name__])[0][:160]
+                + first_line(exc, 160)
                 + ")"
                 + (f"; its log: {log}" if log else "")
                 + " — a file-size limit (ulimit -f), a full disk or /tmp, or no room for its "

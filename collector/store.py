@@ -36,7 +36,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 from collections import Counter
@@ -48,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from collector.model.errors import StepmemError
+from collector.model.files import atomic_write
 from collector.model.records import StepEvent
 from collector.model.step import StepRecord
 from collector.model.untrusted import MAX_DEPTH, depth, read_json
@@ -65,34 +65,12 @@ class StoreError(StepmemError, ValueError):
     """A path that is not a readable run directory."""
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    """Make ``tmp`` private and move it over ``path``; remove it if that fails."""
-    try:
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never a torn temporary left behind
-        raise
-    _replace(tmp, path)
+    atomic_write(path, data, private=True)
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _replace(tmp, path)
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), private=True)
 
 
 # How each StepRecord field is stored: the dicts of numbers as one column per key

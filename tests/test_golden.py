@@ -18,12 +18,13 @@ import pytest
 import yaml
 
 from collector.analysis.diagnosis import contradictions, verdict
+from collector.analysis.diagnosis.kinds import LINE
 from collector.analysis.report import render_report
 from collector.analysis.runs import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = sorted((Path(__file__).parent / "golden" / "cases").glob("*.yml"))
-WIDTH = 150 - len(" • ")  # the report's width, less a finding's bullet
+WIDTH = LINE  # the report's width, less a finding's bullet
 
 
 def _flat(text: str) -> str:

@@ -8,13 +8,13 @@ with the other rule files. Several workloads can share one file (``--merge``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from collector.model.errors import InputError
+from collector.model.files import atomic_write
 from collector.model.step import StepRecord
 
 __all__ = ["baseline_rules", "peak_of"]
@@ -141,12 +141,9 @@ def write_baseline(records: Path, out: Path, workload: str | None, merge: bool) 
         )
     baselines[name] = peak
     notes = notes_of(out.read_text()) if out.exists() else ""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:  # whole or not at all: a full disk leaves the old file as it was
-        tmp.write_text(baseline_rules(baselines, notes))
-        os.replace(tmp, out)
+        atomic_write(out, baseline_rules(baselines, notes))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise InputError(
             f"{out} could not be written ({exc.strerror or exc}); it is left as it was"
         ) from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from collector.model.errors import StepmemError, UserError
+from collector.model.errors import StepmemError, UserError, first_line
 
 __all__ = ["EXIT_BUG", "main"]
 
@@ -27,7 +27,7 @@ def _one_line(exc: BaseException, command: str | None = None) -> str:
     cause = getattr(exc, "cause", None)
     if isinstance(cause, StepmemError):
         exc = cause
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = first_line(exc, 10_000)
     if isinstance(exc, UserError) or text.startswith("stepmem"):
         return text
     return f"stepmem {command}: {text}" if command else f"stepmem: {text}"

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from collector.model.errors import UserError
+from collector.model.files import atomic_write
 
 __all__ = [
     "RUN_ID",
@@ -65,14 +66,9 @@ def writable_file(
 def write_output(path: Path, data: str | bytes, flag: str, prog: str) -> None:
     """Write an output file whole or not at all (a temporary file renamed over it): a full
     disk leaves the old file, never a torn one, and is one line, not a traceback."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        if isinstance(data, str):
-            data = data.encode()
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise UserError(
             f"{prog}: {flag} {path} could not be written ({exc.strerror or exc})"
         ) from None

@@ -9,10 +9,10 @@ even before the first scrape succeeds (``up`` included).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from collector.model.files import atomic_write
 from collector.model.records import SamplerInfo
 
 __all__ = ["TargetsRefresher", "infos_of", "targets_for", "write_targets"]
@@ -64,9 +64,7 @@ def write_targets(path: str | Path, infos: list[SamplerInfo]) -> bool:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
     return True
 
 

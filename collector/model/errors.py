@@ -9,7 +9,13 @@ their code; :class:`EstimateError` here, as the estimate and the readers of its 
 
 from __future__ import annotations
 
-__all__ = ["EstimateError", "InputError", "StepmemError", "UserError"]
+__all__ = ["EstimateError", "InputError", "StepmemError", "UserError", "first_line"]
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message as one line of at most ``limit`` characters (its type's name when
+    it says nothing): how a warning, a problem or a user error quotes it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
 
 
 class StepmemError(Exception):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
+from collector.model.kinds import Phase
 from collector.model.untrusted import inert, read_json
 
 __all__ = ["FORMAT", "Estimate", "ModulePeak", "load_estimate"]
@@ -24,7 +25,7 @@ class ModulePeak:
     at that moment."""
 
     module: str
-    phase: str  # "forward" | "backward"
+    phase: str  # Phase.FORWARD | Phase.BACKWARD
     total: int
     parts: dict[str, int]
 
@@ -101,9 +102,6 @@ class Estimate:
         r = self.reserved_peak
         return None if r is None else r + self.outside_torch + self.optimizer_state_managed
 
-    def step_figures(self, step: int) -> dict[str, Any] | None:
-        return next((s for s in self.steps if s.get("step") == step), None)
-
     @property
     def peak(self) -> int:
         return sum(self.steady.values())
@@ -140,7 +138,7 @@ class Estimate:
                 at_end=_parts(d["at_end"], "at_end"),
                 optimizer_state_managed=int(d.get("optimizer_state_managed", 0)),
                 peak_module=_text(d.get("peak_module", ""), 256),
-                peak_phase=_text(d.get("peak_phase", ""), 16),
+                peak_phase=Phase.read(_text(d.get("peak_phase", ""), 16)),
                 modules=[_module(m) for m in d.get("modules", [])[:10_000]],
                 notes=[_text(x, 500) for x in d.get("notes", [])][:50],
                 stopped_at=_text(d.get("stopped_at", ""), 256),

@@ -61,7 +61,6 @@ class Outbox:
         # the newest EVENTS_KEPT events, for inspection; what the run keeps is the samplers'
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.sent = 0
-        self.spooled = 0  # events left in the spool folder (no Ray in this process)
         if spool is None:
             spool = os.environ.get(SPOOL_ENV) or None
         self._spool = Path(spool) if spool else None
@@ -229,7 +228,6 @@ class Outbox:
         except OSError as exc:
             self._spool_failed(exc)
             return False
-        self.spooled += len(batch)
         return True
 
     def _spool_failed(self, exc: OSError) -> None:
