@@ -17,14 +17,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from collector.model.kinds import Gap
+from collector.model.kinds import Gap, Phase
 from collector.model.records import ERROR_PREFIX, Stat, StepEvent
 from collector.model.step import PhaseReading, ProcessesReading, StepRecord
 from collector.sampler import RingBuffer, Sampler, SampleWindow
 
 __all__ = ["FIRST_PHASE", "RECORDS_KEPT", "StepJoiner"]
 
-FIRST_PHASE = "forward_backward"
+FIRST_PHASE = Phase.FORWARD_BACKWARD
 RECORDS_KEPT = 20_000
 MAX_OPEN = 4096  # processes with a step open at once on one GPU
 MAX_PHASES = 256  # phase marks kept per step

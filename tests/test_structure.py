@@ -118,10 +118,12 @@ def test_the_ratchet_names_what_grew_and_what_is_new():
 
 
 def test_the_vocabulary_is_spelled_on_the_ground_floor_only():
-    """Memory kinds and GiB are spelled in ``collector/model`` (workloads' own summaries and
+    """Memory kinds, step phases and GiB are spelled in ``collector/model`` (workloads' own
+    summaries and
     the growth rule's pool names, a vocabulary of their own, aside)."""
     v = structure.vocabulary()
     assert [w for w in v["memory_kind_literals"] if w.startswith("collector/")] == []
+    assert [w for w in v["phase_literals"] if w.startswith("collector/")] == []
     assert v["gib"] == []
 
 

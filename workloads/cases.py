@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from collector.model.kinds import Phase
 from workloads import add_common_args, finish, script_args
 
 CASES = ("keep_logits", "shapes", "eval", "graphs")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
                 if args.case == "keep_logits":
                     kept.append(out.logits)  # the bug: every micro-step's logits stay alive
             if probe is not None:
-                probe.phase("optimizer")
+                probe.phase(Phase.OPTIMIZER)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if args.case == "eval" and i % args.eval_every == 0:

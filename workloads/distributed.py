@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collector.model.kinds import Phase
 from workloads import script_args
 
 SHARDS = ("fsdp2", "ddp", "none")
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace, probe: Any = None) -> dict[str, Any]:
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 if probe is not None:
-                    probe.phase("optimizer")
+                    probe.phase(Phase.OPTIMIZER)
                 optimizer.step()
             if probe is not None:
                 probe.end()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.model.errors import InputError
+from collector.model.kinds import Phase
 from collector.model.untrusted import inert, read_json
 
 __all__ = ["HistoryError", "Site", "StepSites", "load", "site_of", "step_sites"]
@@ -247,7 +248,7 @@ def step_sites(
         i = bisect.bisect_right(times, t) - 1
         if i < 0 or bounds[i][2] == "end":
             return None, ""
-        return bounds[i][1], bounds[i][3] or "forward_backward"
+        return bounds[i][1], bounds[i][3] or Phase.FORWARD_BACKWARD
 
     live: dict[int, tuple[int, str, int | None, int]] = {}  # addr -> size, site, step, time
     total = 0

@@ -22,6 +22,7 @@ __all__ = [
     "Gap",
     "LedgerFigure",
     "MemoryKind",
+    "Phase",
 ]
 
 # roles a kind plays
@@ -156,6 +157,39 @@ class Component(_Vocabulary):
     NO_PROCESS = ("no process (managed/UVM)", "no_process")
     OUTSIDE_UNSPLIT = ("outside torch (unsplit)", "outside_torch_unsplit")
     REMAINDER = ("remainder", "remainder")
+
+
+class Phase(_Vocabulary):
+    """A part of a training step, one spelling each: what the probe marks inside a step (its
+    adapters, and a user's own ``probe.phase(name)``, which may name others), what the join and
+    the allocation history read, and what the estimate traces. torch's ``_ModState`` is the
+    pattern (the estimate maps its members, not their strings: :mod:`collector.estimate.tracing`).
+    """
+
+    FORWARD_BACKWARD = "forward_backward"
+    """From a step's begin to its first phase mark (the probe's implicit first phase)."""
+    FORWARD = "forward"
+    """A module's (or a micro-batch's) forward pass."""
+    BACKWARD = "backward"
+    """A module's (or a micro-batch's) backward pass."""
+    OPTIMIZER = "optimizer"
+    """``optimizer.step()`` (and ``zero_grad``): the adapters' mark, the estimate's last phase."""
+    STEP = "step"
+    """A script's step under the estimate, from its begin mark to its first phase mark."""
+    BUILD = "build"
+    """Before the first step: the model and optimizer built (the estimate's log)."""
+    END = "end"
+    """A step's end mark (the estimate's log)."""
+
+    @classmethod
+    def read(cls, text: str) -> Phase | str:
+        """A phase as a file spells it: a member (``"optimizer step"``, the estimate's spelling
+        before #36, is :attr:`OPTIMIZER`), else the name a user gave it, as it is."""
+        text = "optimizer" if text == "optimizer step" else text
+        try:
+            return cls(text)
+        except ValueError:
+            return text
 
 
 class Gap(_Vocabulary):

@@ -24,6 +24,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from collector.model.kinds import Phase
 from collector.probe.core import StepProbe
 
 __all__ = ["StepMemCallback", "attach"]
@@ -75,7 +76,7 @@ class StepMemCallback(TrainerCallback):
         self.probe.begin(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.probe.phase("optimizer")
+        self.probe.phase(Phase.OPTIMIZER)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.probe.end()

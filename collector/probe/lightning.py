@@ -22,6 +22,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from collector.model.kinds import Phase
 from collector.probe.core import StepProbe
 
 __all__ = ["StepMemLightningCallback"]
@@ -46,7 +47,7 @@ class StepMemLightningCallback(Callback):
             self.probe.begin(trainer.global_step + 1)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self.probe.phase("optimizer")
+        self.probe.phase(Phase.OPTIMIZER)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
