@@ -90,7 +90,7 @@ def main() -> None:
             row = {
                 "t_s": round(now - t_start, 2),
                 "step": step,
-                "samples": {u: h["samples_total"] for u, h in health.items()},
+                "samples": {u: h.samples_total for u, h in health.items()},
                 "rss_mib": {u: round(rss_bytes(pids[u]) / MIB, 2) for u in pids},
                 "anon_mib": {u: round(rss_bytes(pids[u], "RssAnon") / MIB, 2) for u in pids},
                 "shmem_mib": {u: round(rss_bytes(pids[u], "RssShmem") / MIB, 2) for u in pids},

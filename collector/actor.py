@@ -22,7 +22,7 @@ from collector.backends import BackendSpec, ReplayControl
 from collector.join import StepJoiner
 from collector.metrics import gpu_labels
 from collector.model.account import outside_share
-from collector.model.records import SamplerInfo, Stat, StepEvent
+from collector.model.records import SamplerHealth, SamplerInfo, Stat, StepEvent
 from collector.model.settings import SamplerOptions
 from collector.model.step import ProcessesReading, StepRecord
 from collector.probe.outbox import SpoolReader
@@ -336,36 +336,36 @@ class SamplerActor:
     def thread_cpu_s(self) -> float:
         return self.sampler.thread_cpu_s()
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> SamplerHealth:
         s = self.sampler
-        return {
-            "gpu_uuid": self.device.uuid,
-            "alive": s.alive,
-            "stopped_by": s.stopped_by,
-            "samples_total": s.ring.count,
-            "errors": dict(s.errors),
-            "missed_deadlines": s.missed,
-            "sampler_niceness": s.niceness,
-            "rate_hz": s.achieved_rate_hz(),
-            "mean_rate_hz": s.mean_rate_hz(),
-            "events_received": self.events_received,
-            "events_rejected": dict(self.events_rejected) | dict(self.joiner.rejected),
-            "steps_pending": self.joiner.pending,
-            "steps_open": self.joiner.open_steps,
-            "spool_malformed": self.spool.malformed if self.spool is not None else 0,
-            "spool_failed_writers": self.spool.failed_writers if self.spool is not None else 0,
-            "steps_joined": self.joiner.joined,
-            "remote_write": self.writer.stats() if self.writer is not None else None,
+        return SamplerHealth(
+            gpu_uuid=self.device.uuid,
+            alive=s.alive,
+            stopped_by=s.stopped_by,
+            samples_total=s.ring.count,
+            errors=dict(s.errors),
+            missed_deadlines=s.missed,
+            sampler_niceness=s.niceness,
+            rate_hz=s.achieved_rate_hz(),
+            mean_rate_hz=s.mean_rate_hz(),
+            events_received=self.events_received,
+            events_rejected=dict(self.events_rejected) | dict(self.joiner.rejected),
+            steps_pending=self.joiner.pending,
+            steps_open=self.joiner.open_steps,
+            spool_malformed=self.spool.malformed if self.spool is not None else 0,
+            spool_failed_writers=self.spool.failed_writers if self.spool is not None else 0,
+            steps_joined=self.joiner.joined,
+            remote_write=self.writer.stats() if self.writer is not None else None,
             # NVML per-process readings (the accounting's split): taken, and failed by error
-            "process_readings": {
+            process_readings={
                 "taken": self.procwatch.reads if self.procwatch is not None else None,
                 "errors": dict(self.procwatch.errors)
                 if self.procwatch is not None
                 else ({"read": self.process_read_errors} if self.process_read_errors else {}),
             },
-        }
+        )
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> SamplerHealth:
         """Stop sampling, join every pending step, flush remote write, return the final health."""
         self.sampler.stop()
         self._stop.set()

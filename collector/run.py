@@ -24,7 +24,7 @@ from typing import Any
 
 from collector.backends import BackendSpec
 from collector.model.errors import UserError, first_line
-from collector.model.records import SamplerInfo
+from collector.model.records import SamplerHealth, SamplerInfo
 from collector.model.settings import JobOptions, SamplerOptions
 from collector.model.step import StepRecord
 from collector.placement import new_run_id
@@ -59,7 +59,7 @@ class JobResult:
     banner: str
     records: list[StepRecord]
     samplers: list[SamplerInfo]
-    health: list[dict[str, Any]]
+    health: list[SamplerHealth]
     workload: dict[str, Any]
     error: str | None = None  # "Type: message" of the workload's exception
     failure: WorkloadFailed | None = None
@@ -78,7 +78,7 @@ class JobResult:
             "banner": self.banner,
             "status": self.status,
             "samplers": [s.to_dict() for s in self.samplers],
-            "health": self.health,
+            "health": [h.to_dict() for h in self.health],
             "rate_hz": self.rate_hz,
         }
         if self.problems:
@@ -239,10 +239,10 @@ def spool_dir(run_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"stepmem-{os.getuid()}" / "spool" / instance
 
 
-def remote_write_line(health: list[dict[str, Any]]) -> str:
+def remote_write_line(health: list[SamplerHealth]) -> str:
     """What remote write delivered, summed over the samplers (empty without remote write):
     every sample it could not deliver is said, with the last error."""
-    stats = [h["remote_write"] for h in health if isinstance(h.get("remote_write"), dict)]
+    stats = [h.remote_write for h in health if h.remote_write is not None]
     if not stats:
         return ""
     sent = sum(int(x.get("sent", 0)) for x in stats)

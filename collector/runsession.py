@@ -20,6 +20,7 @@ from collector.backends import BackendSpec
 from collector.drain import Drainer, problems
 from collector.export.file_sd import TargetsRefresher, write_targets
 from collector.model.errors import StepmemError, first_line
+from collector.model.records import SamplerHealth
 from collector.model.settings import JobOptions, SamplerOptions
 from collector.model.step import StepRecord
 from collector.model.units import GIB
@@ -83,7 +84,7 @@ class RunSession:
         self.error: BaseException | None = None
         self.error_text: str | None = None
         self.records: list[StepRecord] = []
-        self.health: list[dict[str, Any]] = []
+        self.health: list[SamplerHealth] = []
         self.problems: list[str] = []  # why the run is not completely recorded
         self.replay_speed: float | None = None  # the steps are a capture's, played at this speed
         self._stand_in_origin: int | None = None  # replay played under CPU stand-ins, from
@@ -242,12 +243,11 @@ def _free_bytes(folder: str) -> int | None:
         return None
 
 
-def spool_problems(health: list[dict[str, Any]], spool: str) -> list[str]:
+def spool_problems(health: list[SamplerHealth], spool: str) -> list[str]:
     """Processes that could not write their step events to the spool folder (a full disk):
     their steps are missing from the record, and the run says so."""
     # every sampler of a node reads that node's folder: the most any of them saw
-    n = max((int(h.get("spool_failed_writers") or 0) for h in health if isinstance(h, dict)),
-            default=0)  # fmt: skip
+    n = max((h.spool_failed_writers or 0 for h in health), default=0)
     if not n:
         return []
     return [
@@ -256,25 +256,18 @@ def spool_problems(health: list[dict[str, Any]], spool: str) -> list[str]:
     ]
 
 
-def _stop_samplers(placed: list[PlacedSampler], echo) -> tuple[list[dict[str, Any]], set[str]]:
+def _stop_samplers(placed: list[PlacedSampler], echo) -> tuple[list[SamplerHealth], set[str]]:
     """Stop every sampler of the run (sampling, pending joins, remote write flushed): each
     sampler is this run's own (:mod:`collector.placement`). Returns their final health and the
     names of those that could not be reached (killed, their node gone): never the job's end."""
-    health: list[dict[str, Any]] = []
+    health: list[SamplerHealth] = []
     gone: set[str] = set()
     for p in placed:
         try:
             health.append(ray.get(p.handle.stop.remote(), timeout=60))
         except Exception as exc:
             echo(f"warning: sampler {p.name} unreachable at the end of the run ({first_line(exc)})")
-            health.append(
-                {
-                    "gpu_uuid": p.gpu_uuid,
-                    "alive": False,
-                    "unreachable": True,
-                    "error": type(exc).__name__,
-                }
-            )
+            health.append(SamplerHealth.unreached(p.gpu_uuid, exc))
             gone.add(p.name)
     return health, gone
 

@@ -74,8 +74,8 @@ def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster,
         handle = ray.get_actor(name, namespace="stepmem")
         assert list_samplers() == [name]  # the run's own are gone with it
         health = ray.get(handle.health.remote())
-        assert health["alive"] is True  # still sampling
-        assert health["events_received"] == 0  # the run's steps went to the run's samplers
+        assert health.alive is True  # still sampling
+        assert health.events_received == 0  # the run's steps went to the run's samplers
     finally:
         stop_daemon(echo=lambda *a: None)
 

@@ -31,7 +31,7 @@ def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers, record_fau
     ray.get(failing.handle.inject_fault.remote("unknown"))
     ray.get(lost.handle.inject_fault.remote("gpu_lost"))
     time.sleep(0.5)
-    before = {p.gpu_uuid: ray.get(p.handle.health.remote())["samples_total"] for p in placed}
+    before = {p.gpu_uuid: ray.get(p.handle.health.remote()).samples_total for p in placed}
     b = time.monotonic_ns()
     time.sleep(0.3)
     e = time.monotonic_ns()
@@ -46,19 +46,19 @@ def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers, record_fau
     health = {p.gpu_uuid: ray.get(p.handle.health.remote()) for p in placed}
     recs = {p.gpu_uuid: ray.get(p.handle.step_records.remote(flush=True)) for p in placed}
     # the healthy GPU goes on
-    assert health[ok.gpu_uuid]["errors"] == {}
-    assert health[ok.gpu_uuid]["samples_total"] > before[ok.gpu_uuid] + 200
+    assert health[ok.gpu_uuid].errors == {}
+    assert health[ok.gpu_uuid].samples_total > before[ok.gpu_uuid] + 200
     # (a loaded machine may flag its timing, never a hole: no_samples is the failing one's)
     assert "no_samples" not in recs[ok.gpu_uuid][0].gap and recs[ok.gpu_uuid][0].samples > 200
     # the failing one counts its errors by kind, keeps running, and reports the hole
-    assert health[failing.gpu_uuid]["errors"]["unknown"] > 200
-    assert health[failing.gpu_uuid]["alive"] is True
+    assert health[failing.gpu_uuid].errors["unknown"] > 200
+    assert health[failing.gpu_uuid].alive is True
     assert recs[failing.gpu_uuid][0].gap == "no_samples"
     text = metrics_text(failing.info)
     assert "stepmem_sampler_errors_total{" in text and 'kind="unknown"' in text
     # the lost one stops sampling and says why
-    assert health[lost.gpu_uuid]["alive"] is False
-    assert health[lost.gpu_uuid]["stopped_by"] == "gpu_lost"
+    assert health[lost.gpu_uuid].alive is False
+    assert health[lost.gpu_uuid].stopped_by == "gpu_lost"
     assert recs[lost.gpu_uuid][0].gap == "no_samples"
     up = [
         line
@@ -72,7 +72,7 @@ def test_nvml_errors_on_one_gpu_leave_the_others_going(kill_samplers, record_fau
         "with gap no_samples; the lost GPU's sampler stops with stopped_by=gpu_lost, up=0",
         failed_steps=0,
         steps_lost=0,
-        errors_counted=health[failing.gpu_uuid]["errors"]["unknown"],
+        errors_counted=health[failing.gpu_uuid].errors["unknown"],
         healthy_samples_in_step=recs[ok.gpu_uuid][0].samples,
     )
 
@@ -117,7 +117,7 @@ def test_a_sampler_killed_mid_run_is_restarted_and_training_is_unhurt(kill_sampl
     assert all(flags(s) <= {"sampler_started", "no_samples", *starved} for s in recs), {
         s: (r.gap, r.samples) for s, r in recs.items() if r.gap
     }
-    assert any("sampler_started" in flags(s) for s in recs) or health["events_rejected"].get(
+    assert any("sampler_started" in flags(s) for s in recs) or health.events_rejected.get(
         "end_without_begin", 0
     )
     assert all(flags(s) <= starved and recs[s].samples > 0 for s in range(171, 181))

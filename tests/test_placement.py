@@ -88,7 +88,7 @@ def test_step_peaks_match_the_replayed_capture_exactly(kill_samplers, capture, s
                 e["torch"] for e in cap.events if e["kind"] == "end" and e["step"] == r.step
             )
         health = ray.get(p.handle.health.remote())
-        assert health["events_rejected"] == {} and health["errors"] == {}
+        assert health.events_rejected == {} and health.errors == {}
 
 
 def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers, record_fault):
@@ -105,13 +105,13 @@ def test_malformed_events_are_counted_and_the_sampler_lives_on(kill_samplers, re
     assert ray.get(p.handle.record_events.remote(bad)) == 0
     assert ray.get(p.handle.record_events.remote("not a list")) == 0
     health = ray.get(p.handle.health.remote())
-    assert health["events_rejected"] == {"malformed": 6, "wrong_gpu": 1}
-    assert health["alive"] is True and health["samples_total"] > 0
+    assert health.events_rejected == {"malformed": 6, "wrong_gpu": 1}
+    assert health.alive is True and health.samples_total > 0
     record_fault(
         "malformed step events sent to a sampler actor (7 kinds, and a non-list)",
         "each rejected and counted (malformed / wrong_gpu); the sampler lives on",
-        events_rejected_counted=sum(health["events_rejected"].values()),
-        sampler_alive=health["alive"],
+        events_rejected_counted=sum(health.events_rejected.values()),
+        sampler_alive=health.alive,
     )
 
 

@@ -292,7 +292,7 @@ def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, cap
     sees the writer that failed and the run says its record is incomplete."""
     import os
 
-    from collector.model.records import StepEvent
+    from collector.model.records import SamplerHealth, StepEvent
     from collector.probe.outbox import SpoolReader
     from collector.runsession import spool_problems
 
@@ -306,7 +306,8 @@ def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, cap
     reader = SpoolReader(tmp_path, "GPU-x")
     reader.read()
     assert reader.failed_writers == 1
-    (line,) = spool_problems([{"spool_failed_writers": 1}, {"spool_failed_writers": 1}], "S")
+    one = SamplerHealth(spool_failed_writers=1)
+    (line,) = spool_problems([one, one], "S")
     assert line.startswith("1 process(es) could not write their step events")
 
 

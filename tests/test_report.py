@@ -524,6 +524,38 @@ def test_a_stores_gap_with_markup_and_junk_health_are_read(tmp_path):
     assert "[/x]" in r.stdout
 
 
+def test_a_stores_health_is_typed_on_read_old_and_hostile_alike():
+    """A sampler's health from a store is a :class:`SamplerHealth`: a figure of the wrong type or
+    not finite is not known (None), never a crash or a zero; strings inert; an older store's
+    health, which named no GPU, is paired with its samplers by position."""
+    from collector.analysis.runs import Run
+    from collector.model.records import SamplerHealth
+
+    h = SamplerHealth.from_untrusted(
+        {
+            "gpu_uuid": "GPU-\x1b[31ma",
+            "alive": 1,
+            "rate_hz": float("nan"),
+            "missed_deadlines": True,
+            "errors": {"unknown": 3, "bad": "x"},
+            "remote_write": {"last_error": "\x1b[2J"},
+            "unreachable": True,
+        }
+    )
+    assert "\x1b" not in h.gpu_uuid and h.alive is False and h.unreachable
+    assert h.rate_hz is None and h.missed_deadlines is None and h.errors == {"unknown": 3}
+    assert "\x1b" not in str(h.remote_write)
+    infos = [
+        {"gpu_uuid": f"GPU-{c}", "node_id": "n", "index": i, "total_bytes": 1 << 30}
+        for i, c in enumerate("ab")
+    ]
+    old = Run("old", {"samplers": infos, "health": [{"alive": True}, {"unreachable": True}]}, [])
+    assert [(x.gpu_uuid, x.unreachable) for x in old.health] == [
+        ("GPU-a", False),
+        ("GPU-b", True),
+    ]
+
+
 @pytest.mark.parametrize("what", ["meta", "phases"])
 def test_a_store_nested_deeper_than_any_stepmem_writes_is_one_line(tmp_path, what, record_fault):
     d = _store_copy(tmp_path, f"{what}_deep")
@@ -603,6 +635,7 @@ def test_a_sped_up_replay_gives_times_inside_a_step_as_the_recorded_run_took_the
     blamed on the CPU."""
     from collector.analysis.report import sampling_line
     from collector.analysis.runs import Run
+    from collector.model.records import SamplerHealth
 
     doc = json.loads(RECORDS.read_text())
     quick = copy.deepcopy(doc)
@@ -623,10 +656,10 @@ def test_a_sped_up_replay_gives_times_inside_a_step_as_the_recorded_run_took_the
     at = slow.index(" ms in")
     figure = slow[slow.rindex(" ", 0, at) + 1 : at]
     assert f"{figure} ms in" in fast and "A replay at 4x: times inside a step" in fast
-    health = [{"rate_hz": 2.0, "mean_rate_hz": 2.0, "missed_deadlines": 0}]
-    line = sampling_line({"health": health, "rate_hz": 1000, "replay_speed": 1e9}, [])
+    health = [SamplerHealth(rate_hz=2.0, mean_rate_hz=2.0, missed_deadlines=0)]
+    line = sampling_line({"rate_hz": 1000, "replay_speed": 1e9}, [], health)
     assert "over before the samplers came up to speed" in line and "too little CPU" not in line
-    line = sampling_line({"health": health, "rate_hz": 1000}, [])
+    line = sampling_line({"rate_hz": 1000}, [], health)
     assert "too little CPU" in line  # a live run (or 1x) that got 2 Hz did lack CPU
 
 

@@ -16,7 +16,7 @@ from collector.analysis.diagnosis import Finding, FindingKind, diagnose, steps_t
 from collector.analysis.diagnosis.fleet import Ranked, imbalance
 from collector.analysis.runs import Run, Stream, replay_speed
 from collector.model.kinds import MemoryKind
-from collector.model.records import SamplerInfo
+from collector.model.records import SamplerHealth, SamplerInfo
 from collector.model.step import StepRecord
 from collector.model.units import gib, gib_figure
 
@@ -141,7 +141,7 @@ def render_report(
     console.print(title)
     for line in status_lines(run.meta):
         console.print(Text(line, style="bold"))
-    quality = sampling_line(run.meta, run.samplers)
+    quality = sampling_line(run.meta, run.samplers, run.health)
     if quality:
         console.print(Text(quality))
     if run.time_scale != 1:
@@ -290,12 +290,8 @@ class _FleetRow(NamedTuple):
 
 def _lost(run: Run) -> set[str]:
     """The GPUs whose sampler could not be reached at the end of the run, by its final health
-    (paired by GPU; a store written before health named its GPU, by position)."""
-    health = [h for h in run.meta.get("health") or [] if isinstance(h, dict)]
-    by_uuid = {h["gpu_uuid"]: h for h in health if isinstance(h.get("gpu_uuid"), str)}
-    if not by_uuid:
-        by_uuid = {s.gpu_uuid: h for s, h in zip(run.samplers, health, strict=False)}
-    return {u for u, h in by_uuid.items() if h.get("unreachable")}
+    (:attr:`Run.health`, each naming its GPU)."""
+    return {h.gpu_uuid for h in run.health if h.unreachable}
 
 
 def _fleet_rows(run: Run) -> list[_FleetRow]:
@@ -516,16 +512,18 @@ def status_lines(meta: dict[str, Any]) -> list[str]:
     return out
 
 
-def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
+def sampling_line(
+    meta: dict[str, Any], samplers: list[SamplerInfo], health: list[SamplerHealth]
+) -> str:
     """How well the samplers kept their rate, from their final health: the mean rate achieved
     against the target, deadlines missed, and the trace's resolution when it is coarser than
     2 ms (a replayed capture recorded at a low rate). Empty when nothing was recorded."""
-    health = [h for h in meta.get("health") or [] if isinstance(h, dict) and "rate_hz" in h]
+    health = [h for h in health if h.rate_hz is not None]
     target = meta.get("rate_hz")
     if not health:
         return ""
-    rates = [float(h.get("mean_rate_hz") or h.get("rate_hz") or 0) for h in health]
-    missed = sum(int(h.get("missed_deadlines") or 0) for h in health)
+    rates = [float(h.mean_rate_hz or h.rate_hz or 0) for h in health]
+    missed = sum(h.missed_deadlines or 0 for h in health)
     aim = f" (target {target:g} Hz)" if isinstance(target, int | float) and target else ""
     span = f"{min(rates):.0f}" + (
         f"–{max(rates):.0f}" if round(max(rates)) != round(min(rates)) else ""
@@ -545,7 +543,7 @@ def sampling_line(meta: dict[str, Any], samplers: list[SamplerInfo]) -> str:
         )
     elif reachable and min(rates) < 0.5 * reachable:
         line += " — the samplers got too little CPU: short transients may be missed"
-        nice = max((int(h.get("sampler_niceness") or 0) for h in health), default=0)
+        nice = max((h.sampler_niceness or 0 for h in health), default=0)
         if nice > 0:
             line += (
                 f" (their threads ran at nice {nice}, Ray's for its workers: lowering it needs "

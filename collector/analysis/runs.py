@@ -15,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from collector.model.errors import InputError
-from collector.model.records import SamplerInfo
+from collector.model.records import SamplerHealth, SamplerInfo
 from collector.model.step import MAX_BYTES, StepRecord
 from collector.model.untrusted import inert
 
@@ -127,26 +126,24 @@ def check_meta(meta: Any, source: str) -> dict[str, Any]:
         ):
             raise InputError(f"{source}: {k} must be a list")
     meta["problems"] = [inert(x) if isinstance(x, str) else x for x in meta.get("problems") or []]
-    meta["health"] = [_health(h) for h in meta.get("health") or []]
     return meta
 
 
-_HEALTH_NUMBERS = ("rate_hz", "mean_rate_hz", "missed_deadlines", "sampler_niceness",
-                   "samples_total")  # fmt: skip
-
-
-def _health(h: Any) -> Any:
-    """A sampler's final health as the report reads it: a figure that is not a finite number
-    is left out (the report says what it does not know), strings made inert."""
-    if not isinstance(h, dict):
-        return inert(h) if isinstance(h, str) else h
-    out = {}
-    for k, v in h.items():
-        if k in _HEALTH_NUMBERS and not (
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        ):
-            continue
-        out[k] = inert(v) if isinstance(v, str) else v
+def _health(raw: list[Any], samplers: list[SamplerInfo]) -> list[SamplerHealth]:
+    """Each sampler's final health (a run that just ended hands them typed; a store's are data,
+    read by :meth:`SamplerHealth.from_untrusted`). A store written before health named its GPU
+    pairs them with its samplers by position."""
+    named = any(
+        isinstance(h, SamplerHealth) or (isinstance(h, dict) and isinstance(h.get("gpu_uuid"), str))
+        for h in raw
+    )
+    out = []
+    for i, h in enumerate(raw):
+        if isinstance(h, SamplerHealth):
+            out.append(h)
+        elif isinstance(h, dict):
+            at = "" if named or i >= len(samplers) else samplers[i].gpu_uuid
+            out.append(SamplerHealth.from_untrusted(h, at))
     return out
 
 
@@ -257,6 +254,7 @@ class Run:
         self.gpus = [s.gpu_uuid for s in self.samplers]
         self.gpus += sorted({r.gpu_uuid for r in typed} - set(self.gpus))
         self.totals = {s.gpu_uuid: s.total_bytes for s in self.samplers}
+        self.health = _health(meta.get("health") or [], self.samplers)
         self.by_gpu: dict[str, list[StepRecord]] = {u: [] for u in self.gpus}
         for r in typed:
             self.by_gpu[r.gpu_uuid].append(r)

@@ -9,6 +9,7 @@ a sampler's NVML sample can be compared directly).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "DeviceInfo",
     "MemoryInfo",
     "ProcessMemory",
+    "SamplerHealth",
     "SamplerInfo",
     "Stat",
     "StepEvent",
@@ -317,3 +319,102 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "replay_origin_ns": int,
     "replay_speed": (int, float),
 }
+
+
+@dataclass(frozen=True)
+class SamplerHealth:
+    """How a sampler fared, as ``health()`` and ``stop()`` return it and a run's ``meta.json``
+    keeps it (``health``, one a sampler): whether it still samples (``alive``; ``stopped_by``
+    what ended it, e.g. ``gpu_lost``), samples taken, NVML errors by kind, deadlines missed, the
+    niceness its thread ran at, the rate achieved (last window, and over the run), step events
+    received and rejected by reason, steps pending a join and still open, the spool's malformed
+    lines and failed writers, steps joined, remote write's figures (``stats()`` of the writer)
+    and the per-process readings (``taken``, ``errors`` by kind). ``unreachable``: the sampler
+    could not be asked at the end of the run (``error`` names why). A figure a store does not
+    hold (an earlier version, a broken file) is ``None``: not known, never zero."""
+
+    gpu_uuid: str = ""
+    alive: bool = False
+    stopped_by: str | None = None
+    samples_total: int | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    missed_deadlines: int | None = None
+    sampler_niceness: int | None = None
+    rate_hz: float | None = None
+    mean_rate_hz: float | None = None
+    events_received: int | None = None
+    events_rejected: dict[str, int] = field(default_factory=dict)
+    steps_pending: int | None = None
+    steps_open: int | None = None
+    spool_malformed: int | None = None
+    spool_failed_writers: int | None = None
+    steps_joined: int | None = None
+    remote_write: dict[str, Any] | None = None
+    process_readings: dict[str, Any] = field(default_factory=dict)
+    unreachable: bool = False
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def unreached(cls, gpu_uuid: str, exc: BaseException) -> SamplerHealth:
+        """The health of a sampler that could not be asked (killed, its node gone)."""
+        return cls(gpu_uuid=gpu_uuid, unreachable=True, error=type(exc).__name__)
+
+    @classmethod
+    def from_untrusted(cls, d: Any, gpu_uuid: str = "") -> SamplerHealth:
+        """A sampler's health as a run store keeps it: a figure of the wrong type, or a number
+        that is not finite, is not known (``None``); strings made inert; a store written before
+        health named its GPU gets ``gpu_uuid`` (its sampler's, by position)."""
+        if not isinstance(d, dict):
+            return cls(gpu_uuid=gpu_uuid)
+        kept: dict[str, Any] = {}
+        for f in fields(cls):
+            v = d.get(f.name)
+            want = _HEALTH_TYPES.get(f.name, str)
+            if v is None or isinstance(v, bool) != (want is bool) or not isinstance(v, want):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                continue
+            if isinstance(v, dict):
+                v = _counts(v) if f.name in ("errors", "events_rejected") else _inert_tree(v)
+            kept[f.name] = inert(v) if isinstance(v, str) else v
+        kept.setdefault("gpu_uuid", inert(gpu_uuid))
+        return cls(**kept)
+
+
+_HEALTH_TYPES: dict[str, type | tuple[type, ...]] = {
+    "alive": bool,
+    "unreachable": bool,
+    "samples_total": int,
+    "errors": dict,
+    "missed_deadlines": int,
+    "sampler_niceness": int,
+    "rate_hz": (int, float),
+    "mean_rate_hz": (int, float),
+    "events_received": int,
+    "events_rejected": dict,
+    "steps_pending": int,
+    "steps_open": int,
+    "spool_malformed": int,
+    "spool_failed_writers": int,
+    "steps_joined": int,
+    "remote_write": dict,
+    "process_readings": dict,
+}
+
+
+def _counts(d: dict[Any, Any]) -> dict[str, int]:
+    """Counts by reason, as a store keeps them: whole numbers under inert names."""
+    return {inert(str(k))[:64]: v for k, v in list(d.items())[:256] if whole(v)}
+
+
+def _inert_tree(v: Any, depth: int = 0) -> Any:
+    if depth > 4:
+        return None
+    if isinstance(v, dict):
+        return {inert(str(k))[:64]: _inert_tree(x, depth + 1) for k, x in list(v.items())[:256]}
+    if isinstance(v, list):
+        return [_inert_tree(x, depth + 1) for x in v[:256]]
+    return inert(v) if isinstance(v, str) else v
