@@ -19,7 +19,7 @@ from collector.estimate.fit import Target, limit_of
 from collector.estimate.gpus import DRIVER_RESERVED, card, load_calibrations, save_calibration
 from collector.estimate.largest import largest
 from collector.model.errors import EstimateError
-from collector.model.prediction import Estimate, load_estimate
+from collector.model.prediction import Estimate, Fit, load_estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 FIT = ROOT / "benchmarks" / "results" / "fit"
@@ -152,13 +152,13 @@ def _tiny(**kw) -> Spec:
 def test_a_card_too_small_says_where_the_step_first_runs_out():
     c = card("1.6")
     est = estimate(_tiny(seq_len=512, batch=64), target=Target(c, margin=0.0))
-    assert est.fit is not None and not est.fit["fits"]
-    assert est.fit["limit"] == limit_of(c) == c.capacity - DRIVER_RESERVED - c.outside_torch
-    assert est.fit["short"] == est.reserved_peak - est.fit["usable"] > 0
-    assert re.match(r"\d (forward|backward|optimizer)", est.fit["phase"]), est.fit
-    assert est.fit["request"] > 0
+    assert est.fit is not None and not est.fit.fits
+    assert est.fit.limit == limit_of(c) == c.capacity - DRIVER_RESERVED - c.outside_torch
+    assert est.fit.short == est.reserved_peak - est.fit.usable > 0
+    assert re.match(r"\d (forward|backward|optimizer)", est.fit.phase), est.fit
+    assert est.fit.request > 0
     text = render(est)
-    assert "Does not fit" in text and f"step {est.fit['phase'][0]}'s" in text
+    assert "Does not fit" in text and f"step {est.fit.phase[0]}'s" in text
 
 
 def test_a_margin_and_a_memory_fraction_lower_what_torch_may_reserve():
@@ -168,8 +168,8 @@ def test_a_margin_and_a_memory_fraction_lower_what_torch_may_reserve():
     half = Target(c, fraction=0.5)
     assert half.limit == int(0.5 * (c.capacity - c.driver_reserved))
     est = estimate(_tiny(), target=half)
-    assert est.fit["fits"] and est.fit["fraction"] == 0.5
-    assert est.fit["headroom"] == half.usable - est.reserved_peak
+    assert est.fit.fits and est.fit.fraction == 0.5
+    assert est.fit.headroom == half.usable - est.reserved_peak
     back = Estimate.from_dict(json.loads(json.dumps(est.to_dict())))
     assert back.fit == est.fit and back.card == est.card
 
@@ -184,7 +184,7 @@ def _linear(need0: int, per: int, usable: int, retry_slack: int = 0):
         need = need0 + per * spec.batch
         e = Estimate(spec={}, device="cpu", stand_in=True, parameters_count=0, steady={},
                      first={}, at_end={})  # fmt: skip
-        e.fit = {"fits": need <= usable + retry_slack, "need": need}
+        e.fit = Fit(fits=need <= usable + retry_slack, need=need)
         return e
 
     return trace, calls
@@ -196,7 +196,7 @@ def test_the_largest_batch_is_traced_and_the_next_one_does_not_fit(slack):
     trace, calls = _linear(20 * GIB, GIB + 123, usable, slack)
     _est, search = largest(_tiny(), "batch", _Usable(Target(card("80")), usable), trace)
     best = max(b for b in calls if 20 * GIB + (GIB + 123) * b <= usable + slack)
-    assert search["largest"] == best and search["converged"]
+    assert search.largest == best and search.converged
     assert best + 1 in calls  # the one above was traced, and does not fit
     assert len(calls) <= (5 if slack == 0 else 9), calls
 
@@ -216,11 +216,11 @@ def test_max_batch_on_a_small_card_is_the_largest_that_fits(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     est = load_estimate(out)
-    b = est.largest["largest"]
-    assert est.spec["batch"] == b and est.fit["fits"] and b > 1
+    b = est.largest.largest
+    assert est.spec["batch"] == b and est.fit.fits and b > 1
     target = Target(card("1.8"), margin=0.0)
     above = estimate(_tiny(seq_len=512, batch=b + 1), target=target)
-    assert not above.fit["fits"]  # an independent trace of the next size runs out
+    assert not above.fit.fits  # an independent trace of the next size runs out
     assert f"Largest micro-batch that fits: {b}" in r.stdout
 
 

@@ -183,11 +183,7 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
         est = load_estimate(ns.estimate)  # checked before the run is read
     run = load_run(ns.run)
-    text, _ = render_report(run, verbose=ns.detail, all_steps=ns.all_steps)
-    if est is not None:
-        from collector.analysis.reconcile import reconcile_run
-
-        text = text.rstrip("\n") + "\n\n" + reconcile_run(run, est) + "\n"
+    text, _ = render_report(run, verbose=ns.detail, all_steps=ns.all_steps, est=est)
     print(text)
     if "out" in outs:
         write_output(outs["out"], text, "--out", prog)
@@ -255,10 +251,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         raise UserError(f"{prog}: {exc}") from None
     est = outcome.estimate
     if est is None and outcome.search is not None and req.target is not None:
-        first = outcome.search["traced"][0]
+        first = outcome.search.first
         print(
-            f"{prog}: not even {req.search.replace('_', ' ')} {first['value']} fits "
-            f"{req.target.card.name}: it needs {gib(first['need'])} GiB of "
+            f"{prog}: not even {req.search.replace('_', ' ')} {first.value} fits "
+            f"{req.target.card.name}: it needs {gib(first.need)} GiB of "
             f"{gib(req.target.usable)}",
             file=sys.stderr,
         )

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from collector.estimate.gpus import MEASURED, Card
 from collector.estimate.sequence import Simulated
 from collector.model.errors import EstimateError
-from collector.model.prediction import Estimate
+from collector.model.prediction import CardInfo, Estimate, Fit
 
 __all__ = ["MAX_MARGIN", "Target", "check", "hold", "limit_of"]
 
@@ -84,29 +83,28 @@ def hold(out: Estimate, target: Target | None, limited: Callable[[int, bool], Si
         out.outside_source = f"{c.gpu}'s, assumed ({c.source})"
         return
     card = target.card
-    out.card = card.to_dict()
+    out.card = CardInfo(**card.to_dict())
     out.outside_torch = card.outside_torch
     out.outside_source = card.outside_source + (
         " — assumed, not this GPU's" if card.assumed else ""
     )
     need = out.reserved_peak or 0
     usable = target.usable
-    fit: dict[str, Any] = {
-        "fits": need <= usable,
-        "limit": target.limit,
-        "usable": usable,
-        "margin": target.margin,
-        "fraction": target.fraction,
-        "need": need,
-        "headroom": usable - need,
-        "retries": 0,
-    }
+    fit = Fit(
+        fits=need <= usable,
+        limit=target.limit,
+        usable=usable,
+        margin=target.margin,
+        fraction=target.fraction,
+        need=need,
+        headroom=usable - need,
+    )
     if need > usable:  # the allocator frees its cache and tries again before it gives up
         sim = limited(usable, target.fraction is not None)
-        fit["retries"] = sim.retries
-        fit["fits"] = sim.oom is None
+        fit = replace(fit, retries=sim.retries, fits=sim.oom is None)
         if sim.oom is not None:
-            fit.update(
+            fit = replace(
+                fit,
                 phase=sim.oom_phase,
                 module=sim.oom_module,
                 request=sim.oom.size,

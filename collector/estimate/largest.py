@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from collector.estimate.fit import Target
 from collector.estimate.spec import Spec
 from collector.model.errors import EstimateError
-from collector.model.prediction import Estimate
+from collector.model.prediction import Estimate, SearchResult, Traced
 from collector.model.units import gib
 
 __all__ = ["AXES", "MAX_TRACES", "SEQ_STEP", "largest"]
@@ -34,11 +33,11 @@ MAX_VALUE = 1 << 20  # the most sequences a micro-batch, or tokens a sequence, s
 
 
 def _fits(e: Estimate) -> bool:
-    return bool(e.fit and e.fit["fits"])
+    return bool(e.fit and e.fit.fits)
 
 
 def _need(e: Estimate) -> int:
-    return int((e.fit or {}).get("need", 0))
+    return e.fit.need if e.fit is not None else 0
 
 
 def largest(
@@ -47,7 +46,7 @@ def largest(
     target: Target,
     trace: Callable[[Spec], Estimate],
     progress: Callable[[str], None] | None = None,
-) -> tuple[Estimate | None, dict[str, Any]]:
+) -> tuple[Estimate | None, SearchResult]:
     """The estimate of the largest ``axis`` value that fits ``target`` (None: not even the
     smallest does) and the search as data (each traced value, its need and whether it fit).
     ``trace(spec)`` estimates one spec held against ``target``."""
@@ -117,16 +116,14 @@ def _next(lo: int, hi: int | None, traced: dict[int, Estimate], usable: int, ste
 
 def _record(
     axis: str, step: int, target: Target, traced: dict[int, Estimate], found: int | None
-) -> dict[str, Any]:
-    return {
-        "axis": axis,
-        "step": step,
-        "largest": found,
-        "converged": found is not None
-        and any(not e.fit["fits"] and v <= found + step for v, e in traced.items() if e.fit),
-        "usable": target.usable,
-        "margin": target.margin,
-        "traced": [
-            {"value": v, "need": _need(e), "fits": _fits(e)} for v, e in sorted(traced.items())
-        ],
-    }
+) -> SearchResult:
+    return SearchResult(
+        axis=axis,
+        step=step,
+        largest=found,
+        converged=found is not None
+        and any(not _fits(e) and v <= found + step for v, e in traced.items() if e.fit),
+        usable=target.usable,
+        margin=target.margin,
+        traced=tuple(Traced(v, _need(e), _fits(e)) for v, e in sorted(traced.items())),
+    )

@@ -125,18 +125,18 @@ def _held(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
     lines = [
         "",
         f"What the GPU will hold ({unit}; PyTorch's caching allocator modelled: {est.allocator}):",
-        f"{'':<28}" + "".join(f"{'step ' + str(x['step']) + ' peak':>12}" for x in steps),
-        f"{'torch allocated':<28}" + "".join(f"{f(x['allocated_peak']):>12}" for x in steps),
-        f"{'torch reserved':<28}" + "".join(f"{f(x['reserved_peak']):>12}" for x in steps),
-        f"{'NVML used':<28}" + "".join(f"{f(x['reserved_peak'] + extra):>12}" for x in steps),
+        f"{'':<28}" + "".join(f"{'step ' + str(x.step) + ' peak':>12}" for x in steps),
+        f"{'torch allocated':<28}" + "".join(f"{f(x.allocated_peak):>12}" for x in steps),
+        f"{'torch reserved':<28}" + "".join(f"{f(x.reserved_peak):>12}" for x in steps),
+        f"{'NVML used':<28}" + "".join(f"{f(x.reserved_peak + extra):>12}" for x in steps),
     ]
     paged = (
         f" + paged state {f(est.optimizer_state_managed)}" if est.optimizer_state_managed else ""
     )
-    top = max(steps, key=lambda x: x["reserved_peak"])
+    top = max(steps, key=lambda x: x.reserved_peak)
     lines.append(
         f"NVML = reserved + {f(est.outside_torch)} outside torch ({est.outside_source}){paged}; "
-        f"the reserved peak is step {top['step']}'s, in its {top['reserved_peak_phase']}."
+        f"the reserved peak is step {top.step}'s, in its {top.reserved_peak_phase}."
     )
     lines += _fit(est, f, unit)
     return lines
@@ -146,48 +146,46 @@ def _fit(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
     fit, card = est.fit, est.card
     if not fit or not card:
         return ["No GPU named (--gpu NAME|GIB): whether it fits was not judged."]
-    margin = f", {fit.get('margin', 0) * 100:g} % kept free" if fit.get("margin") else ""
-    fraction = f", memory fraction {fit['fraction']:g}" if fit.get("fraction") else ""
+    margin = f", {fit.margin * 100:g} % kept free" if fit.margin else ""
+    fraction = f", memory fraction {fit.fraction:g}" if fit.fraction else ""
     of = (
-        f"{f(fit.get('usable', fit['limit']))} {unit} torch may reserve on {card['name']} "
-        f"({f(card['capacity'])} {unit}, less {f(card['driver_reserved'])} the driver keeps, "
-        f"{f(card['outside_torch'])} outside torch{margin}{fraction})"
+        f"{f(fit.usable)} {unit} torch may reserve on {card.name} "
+        f"({f(card.capacity)} {unit}, less {f(card.driver_reserved)} the driver keeps, "
+        f"{f(card.outside_torch)} outside torch{margin}{fraction})"
     )
-    if fit["fits"] and not fit.get("retries"):
-        return [f"Fits: needs {f(fit['need'])} of {of}; headroom {f(fit['headroom'])} {unit}."]
-    if fit["fits"]:
+    if fit.fits and not fit.retries:
+        return [f"Fits: needs {f(fit.need)} of {of}; headroom {f(fit.headroom)} {unit}."]
+    if fit.fits:
         return [
-            f"Fits only by freeing the allocator's cache {fit['retries']} time(s) (slower "
-            f"steps): the reserved peak {f(fit['need'])} is above {of}."
+            f"Fits only by freeing the allocator's cache {fit.retries} time(s) (slower "
+            f"steps): the reserved peak {f(fit.need)} is above {of}."
         ]
-    step, _, rest = (fit.get("phase", "") or "").partition(" ")
+    step, _, rest = (fit.phase or "").partition(" ")
     when = f"step {step}'s {rest}" if step.isdigit() else "building the model"
-    module = f", in {fit['module']}" if fit.get("module") else ""
+    module = f", in {fit.module}" if fit.module else ""
     return [
-        f"Does not fit: needs {f(fit['need'])} of {of}. It first runs out {when}{module}, "
-        f"asking for {f(fit.get('request', 0))} {unit} ({f(fit.get('short', 0))} {unit} short)."
+        f"Does not fit: needs {f(fit.need)} of {of}. It first runs out {when}{module}, "
+        f"asking for {f(fit.request or 0)} {unit} ({f(fit.short or 0)} {unit} short)."
     ]
 
 
 def _largest(est: Estimate) -> list[str]:
     search = est.largest
-    if not search or search.get("largest") is None:
+    if search is None or search.largest is None:
         return []
-    axis = "micro-batch" if search["axis"] == "batch" else "sequence length"
-    traced = ", ".join(
-        f"{t['value']} {'fits' if t['fits'] else 'does not'}" for t in search["traced"]
-    )
-    above = [t for t in search["traced"] if not t["fits"] and t["value"] > search["largest"]]
-    nxt = min((t["value"] for t in above), default=None)
+    axis = "micro-batch" if search.axis == "batch" else "sequence length"
+    traced = ", ".join(f"{t.value} {'fits' if t.fits else 'does not'}" for t in search.traced)
+    above = [t for t in search.traced if not t.fits and t.value > search.largest]
+    nxt = min((t.value for t in above), default=None)
     if nxt is None:
         next_line = " (the search's upper bound: larger was not tried)"
-    elif search.get("converged"):
+    elif search.converged:
         next_line = f" ({nxt} does not)"
     else:
         next_line = f" ({nxt} does not; the sizes between were not traced)"
     return [
         "",
-        f"Largest {axis} that fits: {search['largest']}{next_line}. Traced: {traced}.",
+        f"Largest {axis} that fits: {search.largest}{next_line}. Traced: {traced}.",
     ]
 
 

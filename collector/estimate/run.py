@@ -12,7 +12,7 @@ from typing import Any
 from collector.estimate.largest import largest
 from collector.estimate.request import EstimateRequest
 from collector.estimate.trace import estimate
-from collector.model.prediction import Estimate
+from collector.model.prediction import Estimate, SearchResult
 
 __all__ = ["Outcome", "run_estimate"]
 
@@ -24,7 +24,7 @@ class Outcome:
 
     estimate: Estimate | None
     error: str = ""
-    search: dict[str, Any] | None = None
+    search: SearchResult | None = None
 
 
 def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = None) -> Outcome:

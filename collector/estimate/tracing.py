@@ -20,7 +20,7 @@ from collector.estimate.allocator import AllocatorConfig
 from collector.estimate.fit import Target, hold
 from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind, Phase
-from collector.model.prediction import Estimate, ModulePeak
+from collector.model.prediction import Estimate, ModulePeak, StepFigures
 
 __all__ = [
     "MAX_STEPS_TRACED",
@@ -202,7 +202,7 @@ def hold_steps(
     )
 
 
-def _steps(sim: Simulated) -> list[dict[str, Any]]:
+def _steps(sim: Simulated) -> list[StepFigures]:
     """Each traced step: allocated and reserved peaks (and the phase of the reserved one) and
     what stays at its end, as torch's counters would read them."""
     out = []
@@ -213,13 +213,13 @@ def _steps(sim: Simulated) -> list[dict[str, Any]]:
         whole = sim.over(*phases)
         top = max(phases, key=lambda p: sim.intervals[p].reserved_peak)
         out.append(
-            {
-                "step": step,
-                "allocated_peak": whole.allocated_peak,
-                "reserved_peak": whole.reserved_peak,
-                "allocated_end": whole.allocated,
-                "reserved_end": whole.reserved,
-                "reserved_peak_phase": top.split(" ", 1)[1],
-            }
+            StepFigures(
+                step,
+                allocated_peak=whole.allocated_peak,
+                reserved_peak=whole.reserved_peak,
+                allocated_end=whole.allocated,
+                reserved_end=whole.reserved,
+                reserved_peak_phase=top.split(" ", 1)[1],
+            )
         )
     return out

@@ -14,7 +14,17 @@ from collector.model.errors import EstimateError
 from collector.model.kinds import Phase
 from collector.model.untrusted import inert, read_json
 
-__all__ = ["FORMAT", "Estimate", "ModulePeak", "load_estimate"]
+__all__ = [
+    "FORMAT",
+    "CardInfo",
+    "Estimate",
+    "Fit",
+    "ModulePeak",
+    "SearchResult",
+    "StepFigures",
+    "Traced",
+    "load_estimate",
+]
 
 FORMAT = 1
 
@@ -28,6 +38,157 @@ class ModulePeak:
     phase: str  # Phase.FORWARD | Phase.BACKWARD
     total: int
     parts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """One traced step as torch's counters would read it (the allocator model): allocated and
+    reserved peaks, what they are at its end, and the phase of the reserved peak (``"backward
+    2"``: the phase and its micro-batch)."""
+
+    step: int
+    allocated_peak: int
+    reserved_peak: int
+    allocated_end: int
+    reserved_end: int
+    reserved_peak_phase: str = ""
+
+    @classmethod
+    def from_untrusted(cls, d: Any) -> StepFigures:
+        d = _object(d, "a step's figures")
+        step = _bytes(d.get("step"), "a step's number")
+        return cls(
+            step,
+            *(
+                _bytes(d.get(k), f"step {step}'s {k}")
+                for k in ("allocated_peak", "reserved_peak", "allocated_end", "reserved_end")
+            ),
+            _text(d.get("reserved_peak_phase", ""), 64),
+        )
+
+
+@dataclass(frozen=True)
+class CardInfo:
+    """The GPU an estimate was held against, as the file keeps it
+    (:class:`collector.estimate.gpus.Card` as data)."""
+
+    name: str
+    capacity: int
+    outside_torch: int = 0
+    outside_source: str = ""
+    assumed: bool = False
+    driver_reserved: int = 0
+
+    @classmethod
+    def from_untrusted(cls, d: Any) -> CardInfo:
+        d = _object(d, "card")
+        return cls(
+            name=_text(d.get("name", ""), 128),
+            capacity=_bytes(d.get("capacity"), "the card's capacity"),
+            outside_torch=_bytes(d.get("outside_torch", 0), "the card's outside_torch"),
+            outside_source=_text(d.get("outside_source", ""), 256),
+            assumed=bool(d.get("assumed", False)),
+            driver_reserved=_bytes(d.get("driver_reserved", 0), "the card's driver_reserved"),
+        )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether the step fits the card (:func:`collector.estimate.fit.hold`): what torch may
+    reserve there (``limit``), less the margin (``usable``), what the step needs (its reserved
+    peak), the headroom, and the allocator's retries (a step that fits only by freeing its
+    cache). When it does not fit: where it first runs out (``phase``, ``module``), the request
+    refused and how many bytes are missing (``short``)."""
+
+    fits: bool
+    limit: int = 0
+    usable: int = 0
+    margin: float = 0.0
+    fraction: float | None = None
+    need: int = 0
+    headroom: int = 0
+    retries: int = 0
+    phase: str | None = None
+    module: str | None = None
+    request: int | None = None
+    short: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k in ("phase", "module", "request", "short"):  # only where it runs out
+            if out[k] is None:
+                del out[k]
+        return out
+
+    @classmethod
+    def from_untrusted(cls, d: Any) -> Fit:
+        d = _object(d, "fit")
+        kw: dict[str, Any] = {"fits": bool(d.get("fits"))}
+        for k in ("limit", "usable", "need", "headroom", "retries", "request", "short"):
+            if d.get(k) is not None:
+                v = d[k]
+                if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 1 << 50:
+                    raise EstimateError(f"estimate: fit's {k} must be a byte count")
+                kw[k] = v
+        for k in ("phase", "module"):
+            if k in d:
+                kw[k] = _text(d[k], 256)
+        kw["margin"] = _share(d.get("margin", 0.0), "fit's margin")
+        if d.get("fraction") is not None:
+            kw["fraction"] = _share(d["fraction"], "fit's fraction")
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Traced:
+    """One size a search traced: its value, what its step needs, whether it fit."""
+
+    value: int
+    need: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """``--max-batch`` / ``--max-seq-len``: the axis searched, its grid step, the largest value
+    that fits (None: not even the smallest), whether the search closed on it (the next size up
+    traced and refused), the usable bytes and margin it was held to, and every size traced."""
+
+    axis: str
+    step: int
+    largest: int | None
+    converged: bool
+    usable: int
+    margin: float
+    traced: tuple[Traced, ...] = ()
+
+    @property
+    def first(self) -> Traced:
+        return self.traced[0]
+
+    @classmethod
+    def from_untrusted(cls, d: Any) -> SearchResult:
+        d = _object(d, "largest")
+        if d.get("axis") not in ("batch", "seq_len"):
+            raise EstimateError("estimate: largest must name its axis (batch or seq_len)")
+        found = d.get("largest")
+        return cls(
+            axis=d["axis"],
+            step=_bytes(d.get("step"), "largest's step"),
+            largest=None if found is None else _bytes(found, "largest's value"),
+            converged=bool(d.get("converged", False)),
+            usable=_bytes(d.get("usable"), "largest's usable bytes"),
+            margin=_share(d.get("margin", 0.0), "largest's margin"),
+            traced=tuple(
+                Traced(
+                    _bytes(t.get("value"), "a traced value"),
+                    _bytes(t.get("need"), "a traced need"),
+                    bool(t.get("fits")),
+                )
+                for t in list(d.get("traced") or [])[:64]
+                if isinstance(t, dict)
+            ),
+        )
 
 
 @dataclass
@@ -60,15 +221,15 @@ class Estimate:
     # what the GPU holds (the allocator model; empty in estimates made before it): the settings
     # assumed, and per traced step torch's allocated and reserved peaks and ends
     allocator: str = ""
-    steps: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepFigures] = field(default_factory=list)
     # this process's memory outside torch (CUDA context, kernels loaded on first use), and whence
     outside_torch: int = 0
     outside_source: str = ""
     # the GPU held against (gpus.Card as data) and what fits on it (fit.hold)
-    card: dict[str, Any] | None = None
-    fit: dict[str, Any] | None = None
+    card: CardInfo | None = None
+    fit: Fit | None = None
     # --max-batch / --max-seq-len: the search (estimate.largest) that found this estimate's size
-    largest: dict[str, Any] | None = None
+    largest: SearchResult | None = None
 
     @property
     def script(self) -> bool:
@@ -88,13 +249,13 @@ class Estimate:
     @property
     def reserved_peak(self) -> int | None:
         """Torch's reserved peak over the traced steps (None: not modelled)."""
-        return max((s["reserved_peak"] for s in self.steps), default=None)
+        return max((s.reserved_peak for s in self.steps), default=None)
 
     @property
     def allocated_peak(self) -> int | None:
         """Torch's allocated peak over the traced steps as the allocator counts it (blocks
         rounded to 512 bytes, cuBLAS's workspace included); None: not modelled."""
-        return max((s["allocated_peak"] for s in self.steps), default=None)
+        return max((s.allocated_peak for s in self.steps), default=None)
 
     @property
     def nvml_peak(self) -> int | None:
@@ -120,7 +281,9 @@ class Estimate:
         return 1 if self.first_peak > self.peak else 2
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["fit"] = self.fit.to_dict() if self.fit is not None else None
+        return out
 
     @classmethod
     def from_dict(cls, d: Any) -> Estimate:
@@ -149,12 +312,14 @@ class Estimate:
                 ),
                 unsharded_peak=int(d.get("unsharded_peak", 0)),
                 allocator=_text(d.get("allocator", ""), 256),
-                steps=[_step(x) for x in list(d.get("steps") or [])[:16]],
+                steps=[StepFigures.from_untrusted(x) for x in list(d.get("steps") or [])[:16]],
                 outside_torch=_bytes(d.get("outside_torch", 0), "outside_torch"),
                 outside_source=_text(d.get("outside_source", ""), 256),
-                card=_card(d.get("card")),
-                fit=_fit(d.get("fit")),
-                largest=_largest(d.get("largest")),
+                card=None if d.get("card") is None else CardInfo.from_untrusted(d["card"]),
+                fit=None if d.get("fit") is None else Fit.from_untrusted(d["fit"]),
+                largest=None
+                if d.get("largest") is None
+                else SearchResult.from_untrusted(d["largest"]),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EstimateError(f"estimate: malformed ({_text(exc, 200)})") from None
@@ -183,59 +348,10 @@ def _parts(v: Any, what: str) -> dict[str, int]:
     return {k: int(x) for k, x in v.items()}
 
 
-STEP_FIGURES = ("allocated_peak", "reserved_peak", "allocated_end", "reserved_end")
-
-
 def _bytes(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 50:
         raise EstimateError(f"estimate: {what} must be a byte count")
     return v
-
-
-def _step(d: Any) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise EstimateError("estimate: a step's figures must be an object")
-    out: dict[str, Any] = {"step": _bytes(d.get("step"), "a step's number")}
-    for k in STEP_FIGURES:
-        out[k] = _bytes(d.get(k), f"step {out['step']}'s {k}")
-    out["reserved_peak_phase"] = _text(d.get("reserved_peak_phase", ""), 64)
-    return out
-
-
-def _card(d: Any) -> dict[str, Any] | None:
-    if d is None:
-        return None
-    if not isinstance(d, dict):
-        raise EstimateError("estimate: card must be an object")
-    return {
-        "name": _text(d.get("name", ""), 128),
-        "capacity": _bytes(d.get("capacity"), "the card's capacity"),
-        "outside_torch": _bytes(d.get("outside_torch", 0), "the card's outside_torch"),
-        "driver_reserved": _bytes(d.get("driver_reserved", 0), "the card's driver_reserved"),
-        "outside_source": _text(d.get("outside_source", ""), 256),
-        "assumed": bool(d.get("assumed", False)),
-    }
-
-
-def _fit(d: Any) -> dict[str, Any] | None:
-    if d is None:
-        return None
-    if not isinstance(d, dict):
-        raise EstimateError("estimate: fit must be an object")
-    out: dict[str, Any] = {"fits": bool(d.get("fits"))}
-    for k in ("limit", "usable", "need", "headroom", "retries", "request", "short"):
-        if d.get(k) is not None:
-            v = d[k]
-            if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 1 << 50:
-                raise EstimateError(f"estimate: fit's {k} must be a byte count")
-            out[k] = v
-    for k in ("phase", "module"):
-        if k in d:
-            out[k] = _text(d[k], 256)
-    out["margin"] = _share(d.get("margin", 0.0), "fit's margin")
-    if d.get("fraction") is not None:
-        out["fraction"] = _share(d["fraction"], "fit's fraction")
-    return out
 
 
 def _share(v: Any, what: str) -> float:
@@ -244,29 +360,10 @@ def _share(v: Any, what: str) -> float:
     return float(v)
 
 
-def _largest(d: Any) -> dict[str, Any] | None:
-    if d is None:
-        return None
-    if not isinstance(d, dict) or d.get("axis") not in ("batch", "seq_len"):
-        raise EstimateError("estimate: largest must name its axis (batch or seq_len)")
-    found = d.get("largest")
-    return {
-        "axis": d["axis"],
-        "step": _bytes(d.get("step"), "largest's step"),
-        "largest": None if found is None else _bytes(found, "largest's value"),
-        "converged": bool(d.get("converged", False)),
-        "usable": _bytes(d.get("usable"), "largest's usable bytes"),
-        "margin": _share(d.get("margin", 0.0), "largest's margin"),
-        "traced": [
-            {
-                "value": _bytes(t.get("value"), "a traced value"),
-                "need": _bytes(t.get("need"), "a traced need"),
-                "fits": bool(t.get("fits")),
-            }
-            for t in list(d.get("traced") or [])[:64]
-            if isinstance(t, dict)
-        ],
-    }
+def _object(d: Any, what: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise EstimateError(f"estimate: {what} must be an object")
+    return d
 
 
 def _module(m: Any) -> ModulePeak:
