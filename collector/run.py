@@ -307,10 +307,9 @@ def run_job(opts: JobOptions, echo=print, plan: Plan | None = None) -> JobResult
         interrupted=interrupted,
     )
     name = options.run_id if run.writer is not None else "(not stored: --no-store)"
-    shown = Run(name, result.meta(), run.records)
-    if run.writer is not None:
-        shown.root = run.writer.root  # its allocation history, the samples before a failure
-    text, _ = render_report(shown)
+    # the store's root: its allocation history, the samples before a failure
+    root = run.writer.root if run.writer is not None else None
+    text, _ = render_report(Run(name, result.meta(), run.records, root=root))
     echo(text.rstrip())
     pushed = remote_write_line(run.health)
     if pushed:

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from collector.analysis.diagnose_run import diagnose_run
 from collector.analysis.diagnosis import contradictions, verdict
 from collector.analysis.diagnosis.kinds import LINE
-from collector.analysis.report import render_report
+from collector.analysis.diagnosis.numbers import NUMBERS, unknown_keys
+from collector.analysis.report import render
 from collector.analysis.runs import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +61,13 @@ def test_every_committed_capture_and_run_store_has_a_golden_case():
 def test_golden_case(case: Path):
     spec = yaml.safe_load(case.read_text())
     run = load_run(ROOT / spec["source"])
-    text, findings = render_report(run)
+    diagnosis = diagnose_run(run)
+    text, findings = render(run, diagnosis), diagnosis.findings
+    # the diagnosis as data: the kinds of finding it makes, and every figure a named one
+    assert sorted({f.rule for fs in findings.values() for f in fs}) == spec["findings"]
+    for fs in findings.values():
+        for f in fs:
+            assert unknown_keys(f) == [], f"{case.name}: {f.rule} carries {unknown_keys(f)}"
     flat = _flat(text)
     head = _flat(" ".join(_verdicts(text)))
     for pattern in spec.get("verdict") or []:
@@ -80,3 +88,11 @@ def test_golden_case(case: Path):
             if not f.minor:
                 lines = textwrap.wrap(f.text, WIDTH)
                 assert len(lines) <= 2, f"{case.name}: a finding of {len(lines)} lines: {f.text}"
+
+
+def test_every_kind_of_finding_declares_its_numbers_and_a_stray_key_is_named():
+    from collector.analysis.diagnosis import Finding, FindingKind
+
+    assert set(NUMBERS) == set(FindingKind)
+    f = Finding(FindingKind.JUMP, "x", {"from_step": 1, "to_stpe": 2})
+    assert unknown_keys(f) == ["to_stpe"]

@@ -9,14 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from collector.analysis.accounting import accounts
-from collector.analysis.runs import Run
 from collector.model.account import Account
 from collector.model.kinds import LedgerFigure, MemoryKind
-from collector.model.prediction import Estimate
+from collector.model.prediction import Estimate, StepFigures
 from collector.model.step import StepRecord
 from collector.model.units import GIB, gib_figure
 
-__all__ = ["Row", "reconcile", "reconcile_run", "render_reconciliation"]
+__all__ = ["Row", "reconcile", "render_reconciliation"]
 
 OFF_SHARE = 0.05  # a predicted figure this far from the measured one is named
 NVML_OFF = 0.03  # NVML's peak this far from the prediction is explained
@@ -157,7 +156,7 @@ def _jump(est: Estimate, first: StepRecord, steady: StepRecord) -> str | None:
     )
 
 
-def _modelled(est: Estimate, first: bool) -> dict | None:
+def _modelled(est: Estimate, first: bool) -> StepFigures | None:
     """The allocator model's figures for the first or the steady traced step (None: an
     estimate made before the model)."""
     if not est.steps:
@@ -187,14 +186,14 @@ def _cache(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
         rows.append(
             Row(
                 f"step {first.step} reserved peak",
-                one["reserved_peak"],
+                one.reserved_peak,
                 first.torch_reserved_peak_bytes,
             )
         )
     rows.append(
         Row(
             f"step {steady.step} reserved peak",
-            held["reserved_peak"],
+            held.reserved_peak,
             res_peak,
             f"the caching allocator modelled ({est.allocator or 'its defaults'})",
         )
@@ -202,7 +201,7 @@ def _cache(est: Estimate, first: StepRecord, steady: StepRecord) -> list[Row]:
     rows.append(
         Row(
             "allocator cache at the peak (reserved − allocated)",
-            held["reserved_peak"] - held["allocated_peak"],
+            held.reserved_peak - held.allocated_peak,
             res_peak - alloc_peak,
             f"{gib_figure(steady.inactive_split_end)} GiB in inactive split blocks at step end",
         )
@@ -217,7 +216,7 @@ def _nvml(est: Estimate, steady: StepRecord, acc: Account | None) -> tuple[Row, 
     predicted = (
         est.peak + est.optimizer_state_managed
         if held is None
-        else held["reserved_peak"] + est.outside_torch + est.optimizer_state_managed
+        else held.reserved_peak + est.outside_torch + est.optimizer_state_managed
     )
     measured = steady.nvml_peak_bytes or 0
     row = Row(
@@ -233,8 +232,8 @@ def _nvml(est: Estimate, steady: StepRecord, acc: Account | None) -> tuple[Row, 
         return row, None
     why = []
     res = steady.torch_reserved_peak_bytes
-    if res is not None and abs(res - held["reserved_peak"]) > NVML_OFF / 2 * predicted:
-        d = res - held["reserved_peak"]
+    if res is not None and abs(res - held.reserved_peak) > NVML_OFF / 2 * predicted:
+        d = res - held.reserved_peak
         why.append(
             f"torch reserved {gib_figure(d)} GiB "
             + (
@@ -381,17 +380,3 @@ def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> s
             lines.append(f"  {'':<4}{r.explains}")
     lines.extend(f" • {n}" for n in named)
     return "\n".join(lines)
-
-
-def reconcile_run(run: Run, est: Estimate) -> str:
-    """The reconciliation of every GPU of ``run`` with ``est``: per GPU, its training process
-    (the stream with the most steps, when ranks share the GPU)."""
-    parts = []
-    for uuid in run.gpus:
-        streams = run.streams_of(uuid)
-        main = max(streams, key=lambda s: len(s.records))
-        rows, named = reconcile(est, main.records)
-        several = len([s for s in streams if s.records]) > 1
-        head = f"GPU {uuid}" + (f", process {main.pid}" if several else "")
-        parts.append(f"{head}\n{render_reconciliation(est, rows, named)}")
-    return "\n\n".join(parts)

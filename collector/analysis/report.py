@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from collector.analysis.diagnosis import Finding, FindingKind, diagnose, steps_text, verdict
-from collector.analysis.diagnosis.fleet import Ranked, imbalance
+from collector.analysis.diagnose_run import RunDiagnosis, StreamDiagnosis, diagnose_run
+from collector.analysis.diagnosis import Finding, FindingKind, steps_text
+from collector.analysis.reconcile import render_reconciliation
 from collector.analysis.runs import Run, Stream, replay_speed
 from collector.model.kinds import MemoryKind
+from collector.model.prediction import Estimate
 from collector.model.records import SamplerHealth, SamplerInfo
 from collector.model.step import StepRecord
 from collector.model.units import gib, gib_figure
 
-__all__ = ["render_report"]
+__all__ = ["render", "render_report"]
 
 TABLE_ROWS = 40  # a stream with more steps shows its first and last ones and the notable ones
 EDGE_ROWS = 15
@@ -128,14 +130,22 @@ def _table(run: Run, stream: Stream, several: bool, all_steps: bool) -> Any:
 
 
 def render_report(
-    run: Run, verbose: bool = False, all_steps: bool = False
+    run: Run, verbose: bool = False, all_steps: bool = False, est: Estimate | None = None
 ) -> tuple[str, dict[tuple[str, int], list[Finding]]]:
-    """The report as text (tables + findings) and the findings per stream ((GPU, pid))."""
+    """The report of ``run`` (diagnosed, then rendered) and the findings per stream ((GPU,
+    pid)); with ``est``, the predicted-vs-measured table after it."""
+    diagnosis = diagnose_run(run, verbose, est)
+    return render(run, diagnosis, verbose, all_steps), diagnosis.findings
+
+
+def render(run: Run, d: RunDiagnosis, verbose: bool = False, all_steps: bool = False) -> str:
+    """The report as text: the run's header lines, each stream's table, verdict and findings,
+    the fleet, the allocation sites, the reconciliation — laid out from ``d``, nothing
+    computed, no store read."""
     from rich.console import Console
     from rich.text import Text
 
     console = Console(width=150, record=True, file=io.StringIO(), highlight=False)
-    findings = {}
     title = Text(f"Run {run.name}", style="bold")
     title.append(f" — {run.meta.get('banner', '')}", style="")
     console.print(title)
@@ -159,44 +169,53 @@ def render_report(
                 "is kept, numbered # in the order it ran; the diagnosis names steps by that #."
             )
         )
-    doc = _history(run)
-    history = {s["step"]: s for s in doc["steps"]} if isinstance(doc, dict) else {}
-    for stream in run.streams:
-        several = len(run.streams_of(stream.gpu_uuid)) > 1
-        console.print(_table(run, stream, several, all_steps))
-        if stream.lost:
-            console.print(Text(_lost_line(stream), style="bold"))
-        # the history is the first GPU of rank 0's process: its sites belong to that stream
-        sites = history if stream is _history_stream(run) else {}
-        fs = diagnose(
-            stream.numbered(), run.totals.get(stream.gpu_uuid), sites, verbose, run.time_scale
+    for sd in d.streams:
+        _stream(run, sd, console, verbose, all_steps)
+    if d.fleet:
+        _fleet(run, d, console)
+    if d.history is not None and run.root is not None:
+        _sites(run.root / "history", d.history, console)
+    text = console.export_text()
+    if d.estimate is not None:
+        text = text.rstrip("\n") + "\n\n" + _reconciliation(d) + "\n"
+    return text
+
+
+def _stream(run: Run, sd: StreamDiagnosis, console: Any, verbose: bool, all_steps: bool) -> None:
+    from rich.text import Text
+
+    stream = sd.stream
+    several = len(run.streams_of(stream.gpu_uuid)) > 1
+    console.print(_table(run, stream, several, all_steps))
+    if stream.lost:
+        console.print(Text(_lost_line(stream), style="bold"))
+    if sd.verdict:
+        console.print(Text("Verdict", style="bold"))
+        for line in sd.verdict:
+            console.print(Text(f" {line}"))
+    console.print(Text("Findings", style="bold"))
+    hidden = 0
+    for f in sd.findings:
+        if f.minor and not verbose:
+            hidden += 1
+            continue
+        console.print(Text(f" • {f.shown(verbose)}"))
+        lead = sd.lead_up.get(f.numbers["step"]) if f.kind is FindingKind.OOM else ""
+        if lead:
+            console.print(Text(f"   {lead}"))
+    if hidden:
+        console.print(
+            Text(f" ({hidden} finding(s) under the noise floor left out: --verbose shows them)")
         )
-        findings[(stream.gpu_uuid, stream.pid)] = fs
-        head = verdict(fs)
-        if head:
-            console.print(Text("Verdict", style="bold"))
-            for line in head:
-                console.print(Text(f" {line}"))
-        console.print(Text("Findings", style="bold"))
-        hidden = 0
-        for f in fs:
-            if f.minor and not verbose:
-                hidden += 1
-                continue
-            console.print(Text(f" • {f.shown(verbose)}"))
-            if f.kind is FindingKind.OOM:
-                lead = _lead_up(run, stream, f.numbers["step"])
-                if lead:
-                    console.print(Text(f"   {lead}"))
-        if hidden:
-            console.print(
-                Text(f" ({hidden} finding(s) under the noise floor left out: --verbose shows them)")
-            )
-    if len(run.streams) > 1:
-        _fleet(run, console)
-    if doc is not None and run.root is not None:
-        _sites(run.root / "history", doc, console)
-    return console.export_text(), findings
+
+
+def _reconciliation(d: RunDiagnosis) -> str:
+    assert d.estimate is not None
+    parts = []
+    for r in d.reconciled:
+        head = f"GPU {r.gpu_uuid}" + (f", process {r.pid}" if r.several else "")
+        parts.append(f"{head}\n{render_reconciliation(d.estimate, r.rows, r.named)}")
+    return "\n\n".join(parts)
 
 
 def _lost_line(stream: Stream) -> str:
@@ -209,28 +228,6 @@ def _lost_line(stream: Stream) -> str:
         "probe's count) reached no record — a sampler restarted or events were dropped (see "
         "above); the findings below cannot see them (a jump into a lost step is not judged)."
     )
-
-
-def _history_stream(run: Run) -> Stream | None:
-    """The stream the allocation history belongs to: rank 0's first GPU."""
-    ranked = sorted(run.streams, key=lambda s: (s.rank, s.gpu))
-    return ranked[0] if ranked else None
-
-
-def _history(run: Run) -> dict[str, Any] | str | None:
-    """The allocation history's summary (read once: the findings cite it, the sites section
-    shows it); a string saying why it is unreadable; None without one (or with one whose
-    steps never ended)."""
-    if run.root is None or not (run.root / "history").is_dir():
-        return None
-    import collector.analysis.history as history
-
-    try:
-        return history.summary(run.root / "history", top=3)
-    except FileNotFoundError:  # recording started but its steps never ended
-        return None
-    except history.HistoryError as exc:
-        return str(exc)
 
 
 def _sites(folder: Path, doc: dict[str, Any] | str, console: Any) -> None:
@@ -280,49 +277,7 @@ def _sites(folder: Path, doc: dict[str, Any] | str, console: Any) -> None:
 FLEET_ROWS = 16  # a fleet table of more streams shows the highest, the lowest and the odd ones
 
 
-class _FleetRow(NamedTuple):
-    stream: Stream
-    node: str  # node id, shortened
-    top: StepRecord | None  # the step with the highest NVML peak (None: none measured)
-    alloc: int | None  # this process's highest torch allocated peak
-    lost: bool  # its sampler could not be reached at the end of the run
-
-
-def _lost(run: Run) -> set[str]:
-    """The GPUs whose sampler could not be reached at the end of the run, by its final health
-    (:attr:`Run.health`, each naming its GPU)."""
-    return {h.gpu_uuid for h in run.health if h.unreachable}
-
-
-def _fleet_rows(run: Run) -> list[_FleetRow]:
-    node_of = {s.gpu_uuid: s.node_id[:12] for s in run.samplers}
-    lost = _lost(run)
-    rows = []
-    for st in run.streams:
-        peaked = [r for r in st.records if r.measured]
-        top = max(peaked, key=lambda r: r.nvml_peak_bytes or 0, default=None)
-        allocs = [
-            r.torch_allocated_peak_bytes
-            for r in st.records
-            if r.torch_allocated_peak_bytes is not None
-        ]
-        rows.append(
-            _FleetRow(
-                st,
-                node_of.get(st.gpu_uuid, "?"),
-                top,
-                max(allocs, default=None),
-                st.gpu_uuid in lost,
-            )
-        )
-    return rows
-
-
-def _imbalance(rows: list[_FleetRow]) -> list[Finding]:
-    return imbalance([Ranked(r.stream, r.alloc, r.lost) for r in rows])
-
-
-def _fleet(run: Run, console: Any) -> None:
+def _fleet(run: Run, d: RunDiagnosis, console: Any) -> None:
     """Every stream (a GPU, or one rank of several on a GPU) side by side: which peaks highest,
     how far apart they are, per node, ranks out of balance, and GPUs that were lost (a sampler
     not reachable at the end: its node gone, its actor dead). A fleet of more than
@@ -331,15 +286,14 @@ def _fleet(run: Run, console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    rows = _fleet_rows(run)
-    odd_ranks = {(f.numbers["gpu"], f.numbers["pid"]) for f in _imbalance(rows)}
+    rows = d.fleet
     ranks = any(r.stream.world_size > 1 or len(run.streams_of(r.stream.gpu_uuid)) > 1 for r in rows)
     idle = [r for r in rows if not r.stream.records]
     shown = rows
     if len(rows) > FLEET_ROWS:
         by_peak = sorted(rows, key=lambda r: -(r.top.nvml_peak_bytes if r.top else -1))
         keep = {id(r) for r in by_peak[:6] + by_peak[-3:]}
-        keep |= {id(r) for r in rows if r.lost or (r.stream.gpu, r.stream.pid) in odd_ranks}
+        keep |= {id(r) for r in rows if r.lost or r.imbalanced}
         shown = [r for r in rows if id(r) in keep]
     what = f"{len(rows)} ranks" if ranks else f"every GPU ({len(rows)})"
     if ranks and idle:
@@ -363,7 +317,7 @@ def _fleet(run: Run, console: Any) -> None:
         table.add_column(col, justify="right")
     for row in shown:
         st = row.stream
-        state = "LOST" if row.lost else ("IMBALANCED" if (st.gpu, st.pid) in odd_ranks else "")
+        state = "LOST" if row.lost else ("IMBALANCED" if row.imbalanced else "")
         cells = [
             str(st.gpu),
             *([str(st.rank) if st.records else "—"] if ranks else []),
@@ -380,104 +334,8 @@ def _fleet(run: Run, console: Any) -> None:
         table.add_row(*(["⋯"] * (len(cols) - 1)), f"{len(rows) - len(shown)} more")
     console.print(table)
     console.print(Text("Fleet", style="bold"))
-    for line in fleet_lines(run, rows):
+    for line in d.fleet_lines:
         console.print(Text(f" • {line}"))
-
-
-def fleet_lines(run: Run, rows: list[_FleetRow]) -> list[str]:
-    """The fleet's findings, as lines."""
-    out = _compared(run, rows)
-    out += _peaks(rows)
-    out += [f.text for f in _imbalance(rows)]
-    return out + _ended_early(rows)
-
-
-def _compared(run: Run, rows: list[_FleetRow]) -> list[str]:
-    """What the fleet compares: the streams whose GPU was not lost, of one world size."""
-    out = []
-    # a lost GPU's records stop early: comparing its few steps with whole runs says nothing
-    ran = [row for row in rows if not row.lost] or rows
-    if len(ran) < len(rows):
-        ranks = len(rows) > len(run.gpus)
-        what = "ranks whose GPU was" if ranks else "GPUs that were"
-        out.append(f"Compared: the {len(ran)} {what} not lost.")
-    # a GPU no process reported a step to is no rank of any world
-    worlds = sorted({r.stream.world_size for r in rows if r.stream.records})
-    if len(worlds) > 1:
-        out.append(
-            "The ranks do not agree on the world size ("
-            + ", ".join(str(w) for w in worlds)
-            + "): they may belong to different runs, or one restarted with another size."
-        )
-    return out
-
-
-def _peaks(rows: list[_FleetRow]) -> list[str]:
-    """The highest and lowest within-step peak of the GPUs compared, and per node."""
-    out = []
-    ran = [row for row in rows if not row.lost] or rows
-    gpu_top: dict[int, _FleetRow] = {}
-    for row in ran:
-        if row.top is None:
-            continue
-        cur = gpu_top.get(row.stream.gpu)
-        if cur is None or row.top.nvml_peak_bytes > cur.top.nvml_peak_bytes:
-            gpu_top[row.stream.gpu] = row
-    measured = list(gpu_top.values())
-    if len(measured) > 1:
-        hi = max(measured, key=lambda row: row.top.nvml_peak_bytes)
-        lo = min(measured, key=lambda row: row.top.nvml_peak_bytes)
-        hb, lb = hi.top.nvml_peak_bytes, lo.top.nvml_peak_bytes
-        pct = (hb / lb - 1) * 100 if lb else 0.0
-        if hb == lb:
-            out.append(
-                f"Every compared GPU's highest within-step peak is the same: {gib(hb)} "
-                f"({len(measured)} GPUs)."
-            )
-        else:
-            out.append(
-                f"Highest within-step peak: GPU {hi.stream.gpu} on node {hi.node}, {gib(hb)} in "
-                f"step {hi.top.step}; lowest: GPU {lo.stream.gpu} on node {lo.node}, "
-                f"{gib(lb)} — the highest is {gib(hb - lb)} ({pct:.1f} %) above."
-            )
-        nodes: dict[str, int] = {}
-        for row in measured:
-            nodes[row.node] = max(nodes.get(row.node, 0), row.top.nvml_peak_bytes)
-        if len(nodes) > 1:
-            out.append(
-                "Per node, highest peak: "
-                + ", ".join(f"{n} {gib(b)}" for n, b in sorted(nodes.items()))
-                + "."
-            )
-    return out
-
-
-def _ended_early(rows: list[_FleetRow]) -> list[str]:
-    """Ranks that stopped before the others, and GPUs that were lost."""
-    out = []
-    most = max((len(row.stream.records) for row in rows), default=0)
-    for row in rows:
-        recs = row.stream.records
-        if not row.lost and 0 < len(recs) < most and row.stream.world_size > 1:
-            out.append(
-                f"Rank {row.stream.rank} (GPU {row.stream.gpu}, pid {row.stream.pid}) stopped "
-                f"after step {recs[-1].step}: {len(recs)} of {most} steps — its process "
-                "ended early or died; its steps up to then are kept."
-            )
-    for row in rows:
-        if row.lost:
-            recs = row.stream.records
-            out.append(
-                f"GPU {row.stream.gpu} on node {row.node} was LOST: its sampler could not be "
-                "reached at the end of the run (its node removed or dead, or the actor killed); "
-                + (
-                    f"its records stop at step {recs[-1].step} ({len(recs)} of {most} "
-                    "steps), kept as drained before."
-                    if recs
-                    else "none of its step records had been drained."
-                )
-            )
-    return out
 
 
 STATUS = {
@@ -562,29 +420,3 @@ def sampling_line(
             f"show what happened up to {coarse / 1e6:.0f} ms after it"
         )
     return line + "."
-
-
-def _lead_up(run: Run, stream: Stream, step: int, n: int = 10) -> str:
-    """The NVML samples leading to a failed step's end, from the run store: ``n`` readings
-    evenly spaced over the last second before it (the steps before included)."""
-    rec = next((r for r in stream.records if r.step == step), None)
-    try:
-        samples = run.samples(stream.gpu_uuid)
-    except (OSError, ValueError):
-        return ""
-    if rec is None or samples is None or not len(samples):
-        return ""
-    end = int(rec.end_ns)
-    start = end - 1_000_000_000
-    w = samples[(samples["t_ns"] >= start) & (samples["t_ns"] <= end)]
-    if not len(w):
-        return ""
-    idx = sorted({round(i * (len(w) - 1) / (n - 1)) for i in range(n)})
-    parts = [
-        f"{(int(w['t_ns'].iloc[i]) - end) / 1e6:.0f} ms: {gib_figure(w['used'].iloc[i])}"
-        for i in idx
-    ]
-    return (
-        f"NVML used (GiB) in the second before step {step} failed ({len(w)} samples): "
-        + ", ".join(parts)
-    )

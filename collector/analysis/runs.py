@@ -236,12 +236,21 @@ class Run:
     """One run's step records: per GPU (``by_gpu``, in sampler index order, then any GPU the
     records name that no sampler lists) and per stream (``streams``), and the GPUs' capacities."""
 
-    def __init__(self, name: str, meta: dict[str, Any], records: list[StepRecord]) -> None:
+    def __init__(
+        self,
+        name: str,
+        meta: dict[str, Any],
+        records: list[StepRecord],
+        *,
+        root: Path | None = None,
+        store: RunStore | None = None,
+        source: str | None = None,
+    ) -> None:
         self.name = name
         self.meta = meta
-        self.root: Path | None = None  # the run directory, when read from the run store
-        self.source = name  # what the user gave (a path to show in commands)
-        self._store: RunStore | None = None
+        self.root = root  # the run directory, when read from the run store
+        self.source = name if source is None else source  # what the user gave (a path)
+        self._store = store
         self.traces: dict[str, Any] = {}  # a capture's samples (DataFrames), by GPU
         typed = number_records(list(records))
         # checked by check_meta (a file) or made by this stepmem (a run that just ended)
@@ -286,6 +295,60 @@ class Run:
                             f"{name}: step {r.step} of GPU {uuid}: {k} {v} is more than the "
                             f"card's {total} bytes"
                         )
+
+    @classmethod
+    def from_store(cls, store: RunStore, path: Path) -> Run:
+        """The run a run store at ``path`` holds: its meta checked, its records each checked as
+        read, and what cannot be read said (a step twice, torn parts) in the run's own meta —
+        the store's is left as it is."""
+        meta = dict(store.meta)
+        check_meta(meta, str(path / "meta.json"))
+        records = store.records()
+        note = _no_step_twice(records, str(path))
+        if note:
+            meta["read_notes"] = [*(meta.get("read_notes") or []), note]
+        torn = store.unreadable_parts("events")
+        if torn:  # the steps are whole: report them, and say what cannot be read
+            meta["problems"] = [
+                *(meta.get("problems") or []),
+                f"{len(torn)} part(s) of the probe's events cannot be read ({', '.join(torn)}); "
+                "the step records below are unaffected",
+            ]
+        torn = [p for g in store.gpus() for p in store.unreadable_parts(f"samples/{g}")]
+        if torn:
+            meta["problems"] = [
+                *(meta.get("problems") or []),
+                f"{len(torn)} part(s) of the NVML samples cannot be read ({', '.join(torn[:4])}"
+                f"{', …' if len(torn) > 4 else ''}); the step records below are unaffected, the "
+                "timeline (--png, --html) cannot be drawn",
+            ]
+        return cls(path.name, meta, records, root=path, store=store, source=str(path))
+
+    @classmethod
+    def from_capture(cls, path: Path) -> Run:
+        """A capture's recorded steps, joined with its samples as the live join would."""
+        import pandas as pd
+
+        from collector.analysis.offline import capture_run_meta, records_from_capture
+        from collector.replay import Capture
+
+        cap = Capture.load(path)  # validated: a capture is untrusted data too
+        name = path.name.removesuffix(".capture.parquet")
+        run = cls(name, capture_run_meta(path, cap), records_from_capture(cap), source=str(path))
+        run.traces[str(cap.device["uuid"])] = pd.DataFrame(
+            {"t_ns": cap.t_ns, "used": cap.used, "reserved": cap.reserved}
+        )
+        return run
+
+    @classmethod
+    def from_records_file(cls, path: Path) -> Run:
+        """A records file (``stepmem run --out``), every record checked."""
+        doc = _records_file(path)
+        check_meta(doc, str(path))
+        notes: list[str] = []
+        records = check_records(doc["records"], str(path), notes)
+        doc["read_notes"] = [*(doc.get("read_notes") or []), *notes]
+        return cls(path.stem, doc, records, source=str(path))
 
     @property
     def store(self) -> RunStore | None:
@@ -349,56 +412,12 @@ def load_run(path: str | Path) -> Run:
     if path.is_dir():
         from collector.store import RunStore
 
-        store = RunStore(path)
-        check_meta(store.meta, str(path / "meta.json"))
-        records = store.records()  # each checked as it is read
-        note = _no_step_twice(records, str(path))
-        if note:
-            store.meta.setdefault("read_notes", []).append(note)
-        meta = dict(store.meta)
-        torn = store.unreadable_parts("events")
-        if torn:  # the steps are whole: report them, and say what cannot be read
-            meta["problems"] = [
-                *(meta.get("problems") or []),
-                f"{len(torn)} part(s) of the probe's events cannot be read ({', '.join(torn)}); "
-                "the step records below are unaffected",
-            ]
-        torn = [p for g in store.gpus() for p in store.unreadable_parts(f"samples/{g}")]
-        if torn:
-            meta["problems"] = [
-                *(meta.get("problems") or []),
-                f"{len(torn)} part(s) of the NVML samples cannot be read ({', '.join(torn[:4])}"
-                f"{', …' if len(torn) > 4 else ''}); the step records below are unaffected, the "
-                "timeline (--png, --html) cannot be drawn",
-            ]
-        run = Run(path.name, meta, records)
-        run.root = path
-        run._store = store
-        run.source = str(path)
-        return run
+        return Run.from_store(RunStore(path), path)
     if not path.is_file():
         raise InputError(f"{path} is neither a run directory nor a records file")
     if path.name.endswith(".capture.parquet"):
-        from collector.analysis.offline import capture_run_meta, records_from_capture
-        from collector.replay import Capture
-
-        cap = Capture.load(path)  # validated: a capture is untrusted data too
-        recs = records_from_capture(cap)
-        run = Run(path.name.removesuffix(".capture.parquet"), capture_run_meta(path, cap), recs)
-        run.source = str(path)
-        import pandas as pd
-
-        run.traces[str(cap.device["uuid"])] = pd.DataFrame(
-            {"t_ns": cap.t_ns, "used": cap.used, "reserved": cap.reserved}
-        )
-        return run
-    doc = _records_file(path)
-    check_meta(doc, str(path))
-    notes: list[str] = []
-    run = Run(path.stem, doc, check_records(doc["records"], str(path), notes))
-    doc.setdefault("read_notes", []).extend(notes)
-    run.source = str(path)
-    return run
+        return Run.from_capture(path)
+    return Run.from_records_file(path)
 
 
 def _records_file(path: Path) -> dict[str, Any]:
