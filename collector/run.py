@@ -110,10 +110,26 @@ def nvml_available() -> bool:
 @dataclass(frozen=True)
 class Plan:
     """A job that passed every job-level check (:func:`plan_job`): the backend its samplers
-    build, and the banner that says plainly which one runs."""
+    build, the banner that says plainly which one runs, and the job with its sampler settings
+    resolved once (``job.sampler``: the run id chosen, the spool folder, the workload label,
+    whether events are kept for the store)."""
 
     spec: BackendSpec
     banner: str
+    job: JobOptions
+
+    def with_store(self, store: Path | None) -> Plan:
+        """This plan writing its run store under ``store`` (None: none)."""
+        sampler = dataclasses.replace(self.job.sampler, keep_events=store is not None)
+        job = dataclasses.replace(self.job, store=store, sampler=sampler)
+        return dataclasses.replace(self, job=job)
+
+    def on_cluster(self, local: bool) -> JobOptions:
+        """The job as it runs on its cluster: on one this job started itself (a single
+        machine) /metrics stays on loopback unless an address was given."""
+        s = self.job.sampler
+        addr = s.metrics_addr or ("127.0.0.1" if local else None)
+        return dataclasses.replace(self.job, sampler=dataclasses.replace(s, metrics_addr=addr))
 
 
 def plan_job(opts: JobOptions, prog: str = "stepmem run") -> Plan:
@@ -136,13 +152,16 @@ def plan_job(opts: JobOptions, prog: str = "stepmem run") -> Plan:
             "can read; use --backend replay, or --address of a Ray cluster with GPU nodes"
         )
     if kind == "nvml":
-        return Plan(
-            BackendSpec("nvml"),
+        spec = BackendSpec("nvml")
+        banner = (
             f"stepmem: live NVML backend, {what_runs(opts)}, "
-            f"sampling at {opts.sampler.sampling.rate}",
+            f"sampling at {opts.sampler.sampling.rate}"
         )
-    _check_replay(opts, auto=opts.backend == "auto", prog=prog)
-    return Plan(_replay_spec(opts), _replay_banner(opts, reason or "asked for"))
+    else:
+        _check_replay(opts, auto=opts.backend == "auto", prog=prog)
+        spec, banner = _replay_spec(opts), _replay_banner(opts, reason or "asked for")
+    job = dataclasses.replace(opts, sampler=_sampler_options(opts, spec))
+    return Plan(spec, banner, job)
 
 
 def _check_replay(opts: JobOptions, auto: bool, prog: str) -> None:
@@ -212,9 +231,8 @@ def _replay_banner(opts: JobOptions, why: str) -> str:
     return banner
 
 
-def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> SamplerOptions:
-    """The job's sampler settings with its labels filled in. A cluster this job started itself
-    is a single machine: /metrics stays on loopback there."""
+def _sampler_options(opts: JobOptions, spec: BackendSpec) -> SamplerOptions:
+    """The job's sampler settings with its labels filled in, the run id chosen once."""
     s = opts.sampler
     run_id = s.run_id or new_run_id()
     return dataclasses.replace(
@@ -227,7 +245,6 @@ def _sampler_options(opts: JobOptions, spec: BackendSpec, local: bool) -> Sample
         or (f"command:{Path(opts.workload_args[0]).name}" if opts.command else "")
         or (opts.workload if spec.kind == "nvml" or opts.train_workers else "")
         or "replay:" + "+".join(opts.captures),
-        metrics_addr=s.metrics_addr or ("127.0.0.1" if local else None),
     )
 
 
@@ -262,20 +279,21 @@ def remote_write_line(health: list[SamplerHealth]) -> str:
     return line
 
 
-def run_job(opts: JobOptions, echo=print, plan: Plan | None = None) -> JobResult:
-    """Run ``opts`` to the end and print its report. ``plan``: the job as :func:`plan_job`
-    checked it (checked here when not given). A workload that fails leaves its result with
-    ``failure`` set; stepmem's own errors and Ctrl-C/SIGTERM raise, after the teardown."""
-    plan = plan or plan_job(opts)
+def run_job(job: JobOptions | Plan, echo=print) -> JobResult:
+    """Run a job to the end and print its report: a :class:`Plan` as :func:`plan_job` made it
+    (options are planned here). A workload that fails leaves its result with ``failure`` set;
+    stepmem's own errors and Ctrl-C/SIGTERM raise, after the teardown."""
+    plan = job if isinstance(job, Plan) else plan_job(job).with_store(job.store)
     spec, banner = plan.spec, plan.banner
     echo(banner)
     run: RunSession | None = None
     interrupted: BaseException | None = None
     try:
-        with RaySession(opts.ray_address, echo) as ray_session:
-            options = _sampler_options(opts, spec, ray_session.local)
-            with RunSession(opts, spec, banner, options, echo) as run:
-                run.run()
+        with (
+            RaySession(plan.job.ray_address, echo) as ray_session,
+            RunSession(plan.on_cluster(ray_session.local), spec, banner, echo) as run,
+        ):
+            run.run()
     except KeyboardInterrupt as exc:  # stopped: the teardown ran; keep and show what was done
         if run is None or run.status == "running":
             raise
@@ -299,14 +317,14 @@ def run_job(opts: JobOptions, echo=print, plan: Plan | None = None) -> JobResult
         error=run.error_text,
         failure=failure,
         store=run.writer.root if run.writer is not None else None,
-        run_id=options.run_id,
+        run_id=run.options.run_id,
         status=run.status,
         problems=run.problems,
-        rate_hz=options.sampling.rate.hz,
+        rate_hz=run.options.sampling.rate.hz,
         replay_speed=run.replay_speed,
         interrupted=interrupted,
     )
-    name = options.run_id if run.writer is not None else "(not stored: --no-store)"
+    name = run.options.run_id if run.writer is not None else "(not stored: --no-store)"
     # the store's root: its allocation history, the samples before a failure
     root = run.writer.root if run.writer is not None else None
     text, _ = render_report(Run(name, result.meta(), run.records, root=root))

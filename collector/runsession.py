@@ -64,16 +64,10 @@ class RunSession:
     emptied. ``records`` and ``health`` are then final.
     """
 
-    def __init__(
-        self, opts: JobOptions, spec: BackendSpec, banner: str, options: SamplerOptions, echo
-    ) -> None:
-        self.opts, self.spec, self.banner, self.options, self.echo = (
-            opts,
-            spec,
-            banner,
-            options,
-            echo,
-        )
+    def __init__(self, job: JobOptions, spec: BackendSpec, banner: str, echo) -> None:
+        """``job`` as it runs on its cluster (:meth:`collector.run.Plan.on_cluster`): its
+        sampler settings are final."""
+        self.opts, self.spec, self.banner, self.echo = job, spec, banner, echo
         self.placed: list[PlacedSampler] = []
         self.runner: Runner | None = None
         self.outbox: Outbox | None = None
@@ -90,6 +84,11 @@ class RunSession:
         self._stand_in_origin: int | None = None  # replay played under CPU stand-ins, from
         self.status = "running"
         self._history_set = False  # this run set STEPMEM_HISTORY_DIR (and unsets it at the end)
+
+    @property
+    def options(self) -> SamplerOptions:
+        """The run's sampler settings (the job's, resolved once by its plan)."""
+        return self.opts.sampler
 
     def __enter__(self) -> RunSession:
         opts, echo = self.opts, self.echo

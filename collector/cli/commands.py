@@ -15,6 +15,7 @@ from collector import args
 from collector.cli.files import check_metrics_addr, check_store, writable_file, write_output
 from collector.model.errors import EstimateError, UserError
 from collector.model.files import atomic_write
+from collector.model.settings import JobOptions
 from collector.model.units import GIB, gib
 
 __all__ = ["COMMANDS", "EXIT_INCOMPLETE"]
@@ -49,21 +50,22 @@ def _check_run_flags(ns: argparse.Namespace) -> None:
         if ns.workload is not None:
             raise UserError("stepmem run: --command and --workload do not go together")
     else:
-        workloads.parse(ns.workload or "finetune", ns.workload_args)  # before anything starts
+        # before anything starts
+        workloads.parse(ns.workload or JobOptions.workload, ns.workload_args)
     if ns.remote_write_samples and not ns.remote_write:
         raise UserError("stepmem run: --remote-write-samples needs --remote-write URL")
 
 
-def _job_options(ns: argparse.Namespace, store: Path | None):  # -> JobOptions
+def _job_options(ns: argparse.Namespace) -> JobOptions:
+    """The job the flags describe; what they leave out takes :class:`JobOptions`' defaults."""
     from collector.model.settings import JobOptions
 
+    given = {"captures": ns.captures, "workload": ns.workload}
     return JobOptions(
         backend=ns.backend,
-        captures=ns.captures or ["adamw_8bit"],
         gpus=ns.gpus,
         speed=ns.speed,
         steps=ns.steps,
-        workload=ns.workload or "finetune",
         workload_args=ns.workload_args,
         ray_address=ns.address,
         targets=ns.targets,
@@ -71,7 +73,8 @@ def _job_options(ns: argparse.Namespace, store: Path | None):  # -> JobOptions
         train_workers=ns.train_workers,
         script=ns.script,
         command=ns.run_command,
-        store=store,
+        store=None,  # checked, and made, once the plan holds (Plan.with_store)
+        **{k: v for k, v in given.items() if v is not None},
     )
 
 
@@ -81,7 +84,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     ns = argparse.Namespace(**{**vars(ns), "workload_args": _strip_dashes(ns.workload_args)})
     _check_run_flags(ns)
-    opts = _job_options(ns, None)
+    opts = _job_options(ns)
     plan = plan_job(opts)
     replay = plan.spec.kind == "replay"
     stand_ins = ns.run_command or ns.train_workers  # CPU processes bring the steps
@@ -99,7 +102,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if ns.targets is not None:
         writable_file(ns.targets, "--targets", "stepmem run")
     store = check_store(ns.store, ns.run_id or "", ns.no_store)
-    result = run_job(_job_options(ns, store), plan=plan)
+    result = run_job(plan.with_store(store))
     if ns.out:
         write_output(ns.out, json.dumps(result.document(), indent=1), "--out", "stepmem run")
         print(
