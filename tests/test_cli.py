@@ -337,7 +337,7 @@ def test_a_bug_says_it_is_a_bug(monkeypatch, capsys):
     def broken(ns):
         raise KeyError("internal")
 
-    from collector.cli.commands import COMMANDS
+    from collector.cli.subcommands import COMMANDS
 
     monkeypatch.setitem(COMMANDS, "dashboards", broken)
     rc = cli.main(["dashboards", "--out", "/tmp/unused"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from collector.cli.parsers import build_parser
+from collector.cli.subcommands import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"

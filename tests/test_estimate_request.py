@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.cli.parsers import build_parser
+from collector.cli.subcommands import build_parser
 from collector.estimate.request import (
     DEFAULT_TIME_LIMIT,
     EstimateFlags,
@@ -145,3 +145,11 @@ def test_what_a_script_decides_is_refused_with_it(script, flags, says):
 def test_a_request_file_that_is_not_one_is_an_estimate_error():
     with pytest.raises(EstimateError, match="cannot be read"):
         EstimateRequest.from_dict({"subject": {"script": "x"}})
+
+
+def test_the_subcommand_table_names_what_each_parser_adds():
+    """One table: each row's name is the subcommand its parser adds, in the table's order."""
+    from collector.cli.subcommands import SUBCOMMANDS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == [s.name for s in SUBCOMMANDS]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from collector.cli.parsers import build_parser
+from collector.cli.subcommands import build_parser
 from collector.model.settings import DEFAULT_RATE, DEFAULT_WINDOW_S, Rate, SamplerOptions, Sampling
 
 

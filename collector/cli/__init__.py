@@ -36,8 +36,7 @@ def _one_line(exc: BaseException, command: str | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     command = None
     try:
-        from collector.cli.commands import COMMANDS
-        from collector.cli.parsers import build_parser
+        from collector.cli.subcommands import COMMANDS, build_parser
 
         parser = build_parser()
         ns = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from collector.model.files import atomic_write
 from collector.model.settings import JobOptions
 from collector.model.units import GIB, gib
 
-__all__ = ["COMMANDS", "EXIT_INCOMPLETE"]
+__all__ = ["EXIT_INCOMPLETE"]
 
 EXIT_INCOMPLETE = 3  # the run ended, but not everything it measured was kept
 
@@ -411,16 +411,3 @@ def _cmd_capture(ns: argparse.Namespace) -> int:
         backend=backend,
     )
     return int(cap.notes.get("returncode", 0) or 0)
-
-
-COMMANDS = {
-    "run": _cmd_run,
-    "devices": _cmd_devices,
-    "capture": _cmd_capture,
-    "baseline": _cmd_baseline,
-    "dashboards": _cmd_dashboards,
-    "report": _cmd_report,
-    "daemon": _cmd_daemon,
-    "compare": _cmd_compare,
-    "estimate": _cmd_estimate,
-}

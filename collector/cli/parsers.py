@@ -1,6 +1,7 @@
-"""The ``stepmem`` command's parsers: one function a subcommand, in the order ``stepmem --help``
-lists them (:data:`SUBCOMMANDS`); the argument groups several share are :mod:`collector.args`.
-A parse error is one line (``stepmem <cmd>: …``), exit 2."""
+"""The ``stepmem`` command's parsers: one function a subcommand (the table that names them, in
+``stepmem --help``'s order, is :data:`collector.cli.subcommands.SUBCOMMANDS`); the argument
+groups several share are :mod:`collector.args`. A parse error is one line (``stepmem <cmd>:
+…``), exit 2."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collector.analysis.report import EDGE_ROWS
 from collector.model.errors import UserError
 from workloads import WORKLOADS
 
-__all__ = ["SUBCOMMANDS", "build_parser"]
+__all__ = ["build_parser"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -439,25 +440,14 @@ def _devices_parser(sub) -> None:
     )
 
 
-SUBCOMMANDS = (  # in the order `stepmem --help` lists them
-    _run_parser,
-    _baseline_parser,
-    _daemon_parser,
-    _report_parser,
-    _compare_parser,
-    _estimate_parser,
-    _dashboards_parser,
-    _devices_parser,
-    _capture_parser,
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(adders) -> argparse.ArgumentParser:
+    """The ``stepmem`` parser with a subcommand for each of ``adders`` (the table's order:
+    :data:`collector.cli.subcommands.SUBCOMMANDS`)."""
     p = _Parser(prog="stepmem", description="GPU memory inside every training step.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     p.add_argument("--version", action="version", version=f"stepmem {_version()}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    for add in SUBCOMMANDS:
+    for add in adders:
         add(sub)
     return p
 
