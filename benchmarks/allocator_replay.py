@@ -22,7 +22,7 @@ GIB = 1 << 30
 
 
 def main() -> int:
-    from collector.analysis.allocation_replay import replay_history
+    from collector.analysis.allocator_vs_history import replay_history
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)

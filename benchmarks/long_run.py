@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from collector.backends import BackendSpec
 from collector.model.settings import DEFAULT_CAPACITY, Rate, SamplerOptions, Sampling
 from collector.placement import launch_samplers
-from collector.session import start_local_ray
+from collector.run.ray_session import start_local_ray
 
 MIB = 1 << 20
 

@@ -36,8 +36,8 @@ from collector.analysis.report import render_report  # noqa: E402
 from collector.analysis.runs import load_run  # noqa: E402
 from collector.lookup import SamplerLookup, list_samplers  # noqa: E402
 from collector.model.settings import JobOptions, SamplerOptions  # noqa: E402
-from collector.run import run_job  # noqa: E402
-from collector.session import loopback_only_ray  # noqa: E402
+from collector.run.job import run_job  # noqa: E402
+from collector.run.ray_session import loopback_only_ray  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

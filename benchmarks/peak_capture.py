@@ -30,7 +30,7 @@ from collector.model.settings import SamplerOptions, Sampling
 from collector.model.step import StepRecord
 from collector.placement import launch_samplers
 from collector.probe.core import StepProbe
-from collector.session import start_local_ray
+from collector.run.ray_session import start_local_ray
 from workloads import spiky
 
 RATES = {"100 Hz": 100.0, "1 kHz": 1000.0, "10 kHz": 10_000.0, "max": 0.0}

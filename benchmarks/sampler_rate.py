@@ -22,7 +22,7 @@ import ray
 from collector.backends import BackendSpec
 from collector.model.settings import Rate, SamplerOptions, Sampling
 from collector.placement import launch_samplers
-from collector.session import start_local_ray
+from collector.run.ray_session import start_local_ray
 
 
 def bare_pynvml(handle, seconds: float) -> float:

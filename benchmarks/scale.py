@@ -31,7 +31,7 @@ from collector.export.file_sd import TargetsRefresher
 from collector.export.remote_write import RemoteWriteConfig
 from collector.model.settings import SamplerOptions
 from collector.placement import launch_samplers
-from collector.session import start_local_ray
+from collector.run.ray_session import start_local_ray
 from tests.prom import Prometheus
 
 

@@ -32,7 +32,7 @@ PEAKS = {"allocated peak": "alloc peak", "reserved peak": "resv peak"}
 
 
 def _row(name: str, est_path: Path, run_path: Path) -> dict:
-    from collector.analysis.reconcile import reconcile
+    from collector.analysis.predicted_vs_measured import reconcile
     from collector.analysis.runs import load_run
     from collector.model.prediction import load_estimate
 

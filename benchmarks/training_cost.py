@@ -28,7 +28,7 @@ from collector.lookup import SamplerLookup
 from collector.model.settings import SamplerOptions, Sampling
 from collector.placement import launch_samplers
 from collector.probe.core import StepProbe
-from collector.session import start_local_ray
+from collector.run.ray_session import start_local_ray
 from workloads.finetune import SHAPES, build_model
 
 MODES = {"off": None, "1 kHz": 1000.0, "max": 0.0}

@@ -21,7 +21,7 @@ HISTORY = (
 
 def _replay(capture: str, tmp_path: Path, result: bool = False):
     from collector.model.settings import JobOptions
-    from collector.run import run_job
+    from collector.run.job import run_job
 
     opts = JobOptions(
         backend="replay",

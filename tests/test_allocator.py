@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from collector.analysis.allocation_replay import replay_history
+from collector.analysis.allocator_vs_history import replay_history
 from collector.estimate.allocator import (
     AllocatorConfig,
     CachingAllocator,

@@ -80,7 +80,7 @@ def test_the_timeline_and_prometheus_graph_of_a_replayed_run_render(ray_cluster,
     from collector.analysis.runs import load_run
     from collector.analysis.timeline import render_html
     from collector.model.settings import JobOptions
-    from collector.run import run_job
+    from collector.run.job import run_job
 
     prom = Prometheus(tmp_path / "prom").start()
     pages: list = []

@@ -51,7 +51,7 @@ def test_a_job_runs_its_own_samplers_and_leaves_the_daemons_running(ray_cluster,
     """A run places samplers of its own (its data never mixes with the daemon's or another
     run's), removes them at its end, and never stops the daemon's."""
     from collector.model.settings import JobOptions
-    from collector.run import run_job
+    from collector.run.job import run_job
 
     spec = BackendSpec("replay", captures=["adamw_8bit"], gpus=1)
     try:

@@ -135,7 +135,7 @@ def test_a_site_names_the_users_line_and_the_library_it_called():
     # the user's own line that allocates directly: named once
     assert site_of(frames[3:]) == "me/project/train.py:68 (run)"
     # stepmem's own frames (its script runner) are not the user's
-    runner = {"filename": "/opt/app/collector/runners.py", "line": 10, "name": "run"}
+    runner = {"filename": "/opt/app/collector/run/runners.py", "line": 10, "name": "run"}
     assert (
         site_of([frames[1], runner]) == "transformers/models/llama/modeling_llama.py:480 (forward)"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from collector.analysis.reconcile import reconcile
+from collector.analysis.predicted_vs_measured import reconcile
 from collector.analysis.runs import load_run
 from collector.estimate import Spec, estimate, render
 from collector.estimate.build import _bnb_stand_in

@@ -47,7 +47,7 @@ def test_lookup_of_a_gpu_without_a_sampler_is_none(ray_cluster):
 
 
 def test_nvml_backend_on_a_machine_without_gpus_is_a_clear_error(ray_cluster):
-    from collector.run import nvml_available
+    from collector.run.job import nvml_available
 
     if nvml_available():
         pytest.skip("this machine has GPUs")

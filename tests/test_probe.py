@@ -192,7 +192,7 @@ def test_a_step_that_raises_is_recorded_as_failed_and_the_error_goes_on():
 
 def test_a_workload_that_dies_fails_the_job_with_the_step_named():
     from collector.model.settings import JobOptions
-    from collector.runners import LiveRunner
+    from collector.run.runners import LiveRunner
 
     ob = Outbox(lambda uuid: None, flush_interval_s=0.01)
     opts = JobOptions(
@@ -224,7 +224,7 @@ def test_the_job_runs_a_users_script_with_its_arguments(tmp_path):
     """`stepmem run --script train.py -- ARGS`: the script runs as __main__ with its argv, its
     own probe (the three lines a user adds) takes its steps; a non-zero exit fails the job."""
     from collector.model.settings import JobOptions
-    from collector.runners import ScriptRunner
+    from collector.run.runners import ScriptRunner
 
     script = tmp_path / "train.py"
     script.write_text(
@@ -294,7 +294,7 @@ def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, cap
 
     from collector.model.records import SamplerHealth, StepEvent
     from collector.probe.outbox import SpoolReader
-    from collector.runsession import spool_problems
+    from collector.run.session import spool_problems
 
     (tmp_path / f"events-{os.getpid()}.jsonl").mkdir()
     out = Outbox(None, spool=tmp_path, flush_interval_s=0.01)
@@ -313,7 +313,7 @@ def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, cap
 
 def test_two_runs_with_one_run_id_never_share_a_spool_folder():
     """D8, D11: the spool folder is the run instance's, not the run id's."""
-    from collector.run import spool_dir
+    from collector.run.job import spool_dir
 
     a, b = spool_dir("nightly"), spool_dir("nightly")
     assert a != b and a.parent == b.parent and a.name.startswith("nightly-")

@@ -62,7 +62,7 @@ def test_the_job_runs_a_workload_in_a_torch_trainer(kill_samplers, tmp_path):
     """`stepmem run --train-workers N`: the job's Ray Train path, with a CPU worker whose probe
     addresses the replayed GPU of this node."""
     from collector.model.settings import JobOptions
-    from collector.runners import TrainRunner
+    from collector.run.runners import TrainRunner
 
     (placed,) = launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
     kill_samplers.append(placed.handle)

@@ -12,7 +12,7 @@ from typing import Any
 
 from collector.analysis.diagnosis import Finding, FindingKind, diagnose, verdict
 from collector.analysis.diagnosis.fleet import Ranked, imbalance
-from collector.analysis.reconcile import Row, reconcile
+from collector.analysis.predicted_vs_measured import Row, reconcile
 from collector.analysis.runs import Run, Stream
 from collector.model.prediction import Estimate
 from collector.model.step import StepRecord

@@ -116,7 +116,7 @@ def _is_users(path: str) -> bool:
 
 @functools.cache
 def _stepmem_files() -> tuple[str, ...]:
-    """stepmem's own modules as paths end (``collector/runners.py``): its runner and probe
+    """stepmem's own modules as paths end (``collector/run/runners.py``): its runner and probe
     frames are not the user's line, wherever the history was recorded."""
     root = Path(__file__).resolve().parent.parent  # the collector package
     return tuple(p.relative_to(root.parent).as_posix() for p in root.rglob("*.py"))

@@ -14,7 +14,7 @@ from typing import Any
 
 from collector.analysis.diagnose_run import RunDiagnosis, StreamDiagnosis, diagnose_run
 from collector.analysis.diagnosis import Finding, FindingKind, steps_text
-from collector.analysis.reconcile import render_reconciliation
+from collector.analysis.predicted_vs_measured import render_reconciliation
 from collector.analysis.runs import Run, Stream, replay_speed
 from collector.model.kinds import MemoryKind
 from collector.model.prediction import Estimate

@@ -1,6 +1,6 @@
 """The ``stepmem`` command's subcommands: each turns its parsed flags into the library's
 options and calls it. Checks of a flag's value live with the flag (:mod:`collector.args`), of a
-file the command writes in :mod:`.files`, of a job in :func:`collector.run.plan_job`, of an
+file the command writes in :mod:`.files`, of a job in :func:`collector.run.job.plan_job`, of an
 estimate in :mod:`collector.estimate.spec` — each written once."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _job_options(ns: argparse.Namespace) -> JobOptions:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from collector.replay import resolve_capture
-    from collector.run import plan_job, run_job
+    from collector.run.job import plan_job, run_job
 
     ns = argparse.Namespace(**{**vars(ns), "workload_args": _strip_dashes(ns.workload_args)})
     _check_run_flags(ns)
@@ -136,8 +136,8 @@ def _cmd_baseline(ns: argparse.Namespace) -> int:
 def _cmd_daemon(ns: argparse.Namespace) -> int:
     from collector.backends import BackendSpec
     from collector.daemon import run_daemon, stop_daemon
-    from collector.run import MAX_REPLAY_GPUS
-    from collector.session import connect_ray, terminate_as_interrupt
+    from collector.run.job import MAX_REPLAY_GPUS
+    from collector.run.ray_session import connect_ray, terminate_as_interrupt
 
     check_metrics_addr(ns.metrics_addr, "stepmem daemon")
     if ns.gpus is not None and ns.gpus > MAX_REPLAY_GPUS:
@@ -317,7 +317,7 @@ def _cmd_dashboards(ns: argparse.Namespace) -> int:
 
 def _need_nvml(prog: str) -> None:
     """One line, naming the way out, when this machine has no GPU NVML can read."""
-    from collector.run import nvml_available
+    from collector.run.job import nvml_available
 
     if not nvml_available():
         raise UserError(

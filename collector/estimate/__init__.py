@@ -1,6 +1,6 @@
 """``stepmem estimate``: a training step's memory predicted before it runs.
 
-Planned, then run (the job's shape: :func:`collector.run.plan_job`):
+Planned, then run (the job's shape: :func:`collector.run.job.plan_job`):
 
 * :mod:`.request` — the flags planned once into an :class:`~.request.EstimateRequest`: every
   default and check, the card, the search; the file a script's child reads (both paths);
@@ -26,15 +26,15 @@ The trace:
 
 After the trace:
 
-* :mod:`.sequence` — the ordered allocation/free log and its simulation; :mod:`.allocator`,
+* :mod:`.alloc_log` — the ordered allocation/free log and its simulation; :mod:`.allocator`,
   :mod:`.allocator_config` — PyTorch's caching allocator, modelled from its source;
 * :mod:`.gpus`, :mod:`.fit`, :mod:`.largest` — cards, whether a step fits, the largest size that
   does; :mod:`.calibrate` — a GPU's outside-torch figure measured (``devices --calibrate``);
 * :mod:`.render` — the estimate as text.
 
 The result is a :class:`collector.model.prediction.Estimate` (the file ``--out`` writes, which the
-probe and ``report --estimate`` read); :mod:`collector.analysis.reconcile` holds it against a
-measured run.
+probe and ``report --estimate`` read); :mod:`collector.analysis.predicted_vs_measured` holds it
+against a measured run.
 """
 
 from collector.estimate.render import render

@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from collector.estimate.alloc_log import Simulated
 from collector.estimate.gpus import MEASURED, Card
-from collector.estimate.sequence import Simulated
 from collector.model.errors import EstimateError
 from collector.model.prediction import CardInfo, Estimate, Fit
 

@@ -2,7 +2,7 @@
 was not given) become an :class:`EstimateRequest` in :func:`plan_estimate` — every default and
 every check of ``stepmem estimate`` in this one place, before anything is traced or any child
 process starts, for ``--size``, ``--config`` and ``--script`` alike (as
-:func:`collector.run.plan_job` plans a job).
+:func:`collector.run.job.plan_job` plans a job).
 
 The request says what is estimated (a :class:`~collector.estimate.spec.Spec`, or a
 :class:`ScriptSubject`: the user's script with its arguments and time limit), the caching

@@ -22,7 +22,7 @@ What stepmem adds to torch's tracker, and says where it does:
   from the device total, because NVML counts it once its pages sit on the GPU and torch never
   does.
 * **What the GPU holds**, not only what tensors hold: every storage's creation and release is
-  logged in program order (:class:`~collector.estimate.sequence.AllocationLog`) and played
+  logged in program order (:class:`~collector.estimate.alloc_log.AllocationLog`) and played
   through a model of PyTorch's caching allocator (:mod:`collector.estimate.allocator`), which
   gives torch's *reserved* bytes through each phase — the cache and split blocks no tracker
   sees. NVML's figure adds this process's memory outside torch (the CUDA context and what loads
@@ -33,8 +33,8 @@ What stepmem adds to torch's tracker, and says where it does:
   autocast, and the attention kernel is asked of the real dispatcher.
 
 Memory the estimate does not model (another process, a second stream's pool, kernels' internal
-workspaces other than cuBLAS's) is what :func:`collector.analysis.reconcile.reconcile` names from
-a measured run.
+workspaces other than cuBLAS's) is what :func:`collector.analysis.predicted_vs_measured.reconcile`
+names from a measured run.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from typing import Any
 
 import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
+from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.allocator import AllocatorConfig
 from collector.estimate.fakes import (
     Reads,
@@ -58,7 +59,6 @@ from collector.estimate.fakes import (
     parameter_subclasses,
 )
 from collector.estimate.fit import Target
-from collector.estimate.sequence import AllocationLog
 from collector.estimate.spec import Spec
 from collector.estimate.tracing import (
     MAX_STEPS_TRACED,

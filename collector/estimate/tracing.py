@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from collector.estimate.alloc_log import AllocationLog, Simulated, simulate
 from collector.estimate.allocator import AllocatorConfig
 from collector.estimate.fit import Target, hold
-from collector.estimate.sequence import AllocationLog, Simulated, simulate
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind, Phase
 from collector.model.prediction import Estimate, ModulePeak, StepFigures
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
+from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.fakes import (
     PLACEHOLDERS,
@@ -50,7 +51,6 @@ from collector.estimate.script.cuda_api import LiveAllocator, counters_answered,
 from collector.estimate.script.paged import paged_state
 from collector.estimate.script.steps import ScriptSteps
 from collector.estimate.script.weights import headers_only
-from collector.estimate.sequence import AllocationLog
 from collector.estimate.tracing import (
     attention_note,
     hold_steps,

@@ -20,8 +20,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.allocator import AllocatorConfig, CachingAllocator
-from collector.estimate.sequence import AllocationLog
 from collector.estimate.swap import swapped
 
 __all__ = ["LiveAllocator", "counters_answered", "cuda_on_cpu"]

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from collector.estimate.sequence import AllocationLog
+from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.swap import swapped
 from collector.estimate.tracker import MANAGED
 

@@ -14,7 +14,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.estimate.sequence import AllocationLog
+from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.tracing import module_peaks, parts_of
 from collector.estimate.tracker import file_quantisation_state
 from collector.model.kinds import MemoryKind, Phase

@@ -1,6 +1,6 @@
 """Everything of one run on a connected cluster (:class:`RunSession`): the samplers, the runner
 and its outbox, the run store and its drain, the targets file — and the one teardown that ends
-them, whatever ended the run. The job around it is :mod:`collector.run`."""
+them, whatever ended the run. The job around it is :mod:`collector.run.job`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from typing import Any
 import ray
 
 from collector.backends import BackendSpec
-from collector.drain import Drainer, problems
 from collector.export.file_sd import TargetsRefresher, write_targets
 from collector.model.errors import StepmemError, first_line
 from collector.model.records import SamplerHealth
@@ -26,7 +25,8 @@ from collector.model.step import StepRecord
 from collector.model.units import GIB
 from collector.placement import PlacedSampler, launch_samplers
 from collector.probe.outbox import SPOOL_ENV, Outbox
-from collector.runners import ReplayRunner, Runner, runner_for
+from collector.run.drain import Drainer, problems
+from collector.run.runners import ReplayRunner, Runner, runner_for
 from collector.store import RunWriter
 
 __all__ = ["RunSession", "redact_args", "what_runs"]
@@ -65,7 +65,7 @@ class RunSession:
     """
 
     def __init__(self, job: JobOptions, spec: BackendSpec, banner: str, echo) -> None:
-        """``job`` as it runs on its cluster (:meth:`collector.run.Plan.on_cluster`): its
+        """``job`` as it runs on its cluster (:meth:`collector.run.job.Plan.on_cluster`): its
         sampler settings are final."""
         self.opts, self.spec, self.banner, self.echo = job, spec, banner, echo
         self.placed: list[PlacedSampler] = []

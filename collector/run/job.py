@@ -4,9 +4,9 @@ On a machine with GPUs it runs a real workload (``finetune`` or ``spiky``, a use
 either in Ray Train) under the step probe with live NVML samplers. Without a GPU it runs the same
 pipeline on the replay backend: sampler actors play captures recorded on an H200 and the step
 events recorded with them are sent again, at their recorded times, through the same outbox — so
-the step records match the real run. What runs is a :mod:`collector.runners` runner; Ray's
-lifetime is a :class:`collector.session.RaySession`; everything of one run (samplers, outbox, run
-store, targets file) is a :class:`RunSession`, whose exit is the one teardown.
+the step records match the real run. What runs is a :mod:`collector.run.runners` runner; Ray's
+lifetime is a :class:`collector.run.ray_session.RaySession`; everything of one run (samplers,
+outbox, run store, targets file) is a :class:`RunSession`, whose exit is the one teardown.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from collector.model.settings import JobOptions, SamplerOptions
 from collector.model.step import StepRecord
 from collector.placement import new_run_id
 from collector.replay import Capture, resolve_capture
-from collector.runsession import RunSession, what_runs
-from collector.session import RaySession
+from collector.run.ray_session import RaySession
+from collector.run.session import RunSession, what_runs
 
 __all__ = ["JobResult", "Plan", "WorkloadFailed", "plan_job", "run_job"]
 
