@@ -9,6 +9,7 @@ The types raise ``argparse.ArgumentTypeError`` with a one-line reason; the parse
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from collector.model.settings import (
     DEFAULT_RATE,
@@ -18,6 +19,9 @@ from collector.model.settings import (
     SamplerOptions,
     Sampling,
 )
+
+if TYPE_CHECKING:  # the exporter is imported only when remote write is asked for
+    from collector.export.remote_write import RemoteWriteConfig
 
 __all__ = [
     "add_backend",
@@ -184,7 +188,7 @@ def add_remote_write(p: argparse.ArgumentParser) -> None:
     rw.add_argument("--remote-write-insecure-skip-verify", action="store_true")
 
 
-def remote_write_config(ns: argparse.Namespace):  # -> RemoteWriteConfig | None
+def remote_write_config(ns: argparse.Namespace) -> RemoteWriteConfig | None:
     """The remote write settings, their files checked now (a missing token or CA file fails here,
     in one line); None without ``--remote-write``."""
     if not getattr(ns, "remote_write", None):
