@@ -1,6 +1,6 @@
 """Structure figures for the collector package: what a change has to touch.
 
-    python benchmarks/structure.py [--out FILE.json]
+    python benchmarks/structure.py [--out FILE.json] [--root TREE] [--write-ratchet]
 
 Prints, for ``collector`` and ``workloads``:
 
@@ -45,7 +45,7 @@ def _files() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
-def _functions(root: Path = ROOT) -> list[tuple[str, int]]:
+def _functions(root: Path | None = None) -> list[tuple[str, int]]:
     """``(path:Qual.name, lines)`` of every function of the packages, from ``def`` to the last
     line of its body."""
     out = []
@@ -61,7 +61,7 @@ def _functions(root: Path = ROOT) -> list[tuple[str, int]]:
                 walk(child, path, prefix)
 
     for path in _files():
-        walk(ast.parse(path.read_text()), str(path.relative_to(root)), "")
+        walk(ast.parse(path.read_text()), str(path.relative_to(root or ROOT)), "")
     return out
 
 
@@ -80,8 +80,8 @@ class ImportGraph:
     interface is grimp's that the checks use: ``modules`` and
     ``find_modules_directly_imported_by``."""
 
-    def __init__(self, root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> None:
-        self.root = root
+    def __init__(self, root: Path | None = None, packages: tuple[str, ...] = PACKAGES) -> None:
+        root = self.root = root or ROOT
         files = {}
         for pkg in packages:
             for path in sorted((root / pkg).rglob("*.py")):
@@ -133,7 +133,7 @@ class ImportGraph:
         return out
 
 
-def _graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> ImportGraph:
+def _graph(root: Path | None = None, packages: tuple[str, ...] = PACKAGES) -> ImportGraph:
     return ImportGraph(root, packages)
 
 
@@ -461,7 +461,13 @@ def main() -> None:
     ap.add_argument(
         "--write-ratchet", action="store_true", help=f"rewrite {RATCHET.name} from this tree"
     )
+    ap.add_argument(
+        "--root", type=Path, help="measure another tree (a checkout before a change) instead"
+    )
     a = ap.parse_args()
+    if a.root is not None:
+        global ROOT
+        ROOT = a.root.resolve()
     if a.write_ratchet:
         RATCHET.write_text(json.dumps(over_watch(), indent=1) + "\n")
     cycles, probe = import_cycles()
