@@ -530,3 +530,31 @@ def test_every_command_leads_its_errors_with_its_name():
     ):
         res = stepmem(*argv)
         assert one_line_error(res).startswith(prefix), (argv, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "captures/spiky.capture.parquet", "--all-steps"],
+        ["estimate", "--size", "tiny"],
+    ],
+)
+def test_a_closed_output_ends_quietly_and_a_full_one_is_one_line(argv, record_fault):
+    """``stepmem report RUN | head`` closes the pipe early: no traceback, no 'bug', exit 141 (a
+    writer SIGPIPE ends); a full disk is one line and exit 2."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "collector.cli", *argv]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=300)
+    assert rc == 141 and err.strip() == "", (rc, err[-2000:])
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(cmd, cwd=root, stdout=full, stderr=subprocess.PIPE, text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    full_line = f"stepmem {argv[0]}: cannot write its output: No space left on device"
+    assert r.stderr.strip() == full_line
+    record_fault(
+        f"stepmem {argv[0]} with its output closed early (| head) and to a full disk",
+        "closed: quiet, exit 141; full: one line, exit 2",
+    )
