@@ -87,7 +87,9 @@ def test_every_estimate_flag_is_a_field_of_the_flags():
     the other fails here (the output flags are the command's own)."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     dests = {
-        a.dest for a in sub.choices["estimate"]._actions if a.dest not in ("help", "out", "json")
+        a.dest
+        for a in sub.choices["estimate"]._actions
+        if a.dest not in ("help", "out", "force", "json")
     }
     assert dests == {f.name for f in fields(EstimateFlags)}
 
@@ -153,3 +155,24 @@ def test_the_subcommand_table_names_what_each_parser_adds():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == [s.name for s in SUBCOMMANDS]
+
+
+@pytest.mark.parametrize("what", ["the script", "a file that is not an estimate"])
+def test_out_never_overwrites_what_is_not_an_estimate(tmp_path, script, what, record_fault):
+    """``--out train.py`` (the script itself, or any file that is not a stepmem estimate) is
+    refused before anything runs, and the file is left as it was; ``--force`` overwrites the
+    second (never the script)."""
+    target = script if what == "the script" else tmp_path / "notes.txt"
+    if what != "the script":
+        target.write_text("my notes\n")
+    before = target.read_bytes()
+    r = _cli("--size", "tiny", "--out", str(target), cwd=tmp_path)
+    if what == "the script":
+        r = _cli("--script", str(script), "--out", str(target), cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert target.read_bytes() == before and not (tmp_path / "ran").exists()
+    record_fault(f"bad input: stepmem estimate --out naming {what}", r.stderr.strip()[:160])
+    if what != "the script":
+        r = _cli("--size", "tiny", "--out", str(target), "--force", "--json", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(target.read_text())["format"] == 1

@@ -221,6 +221,23 @@ def _pictures(run, outs: dict[str, Path], prog: str) -> None:
         print(f"{what}: {out}")
 
 
+def _estimate_out(ns: argparse.Namespace, prog: str) -> Path:
+    """``--out``: never the script, config or run it is made from, and never an existing file
+    that is not a stepmem estimate (a slip of the shell, ``--out train.py``) unless ``--force``."""
+    from collector.model.prediction import load_estimate
+
+    out = writable_file(ns.out, "--out", prog, (ns.script, ns.config, ns.like))
+    if out.exists() and not ns.force:
+        try:
+            load_estimate(out)
+        except EstimateError:
+            raise UserError(
+                f"{prog}: --out {ns.out} exists and is not a stepmem estimate; choose another "
+                "file, or --force to overwrite it"
+            ) from None
+    return out
+
+
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     """Plan (every flag checked, before anything is traced), run, print."""
     import torch
@@ -231,7 +248,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
 
     prog = "stepmem estimate"
     build.offline()  # a config is shapes: nothing in it reaches the network
-    out = writable_file(ns.out, "--out", prog) if ns.out else None
+    out = _estimate_out(ns, prog) if ns.out else None
     flags = EstimateFlags.of(ns)
     try:
         like = None

@@ -418,6 +418,11 @@ def _estimate_parser(sub) -> None:
     _script_flags(e, model)
     _fit_flags(e)
     e.add_argument("--out", help="write the estimate (JSON) here, for report --estimate")
+    e.add_argument(
+        "--force",
+        action="store_true",
+        help="let --out overwrite an existing file that is not a stepmem estimate",
+    )
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
     e.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="after '--': arguments for --script"
