@@ -50,9 +50,10 @@ def guard() -> str | None:
     return token
 
 
-def marked(token: str) -> list[int]:
-    """Live processes (not zombies) whose environment carries ``token``, this one excepted."""
-    needle = f"{MARK}={token}".encode()
+def marked(token: str, mark: str = MARK) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``token`` (under ``mark``), this
+    one excepted."""
+    needle = f"{mark}={token}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -68,21 +69,27 @@ def marked(token: str) -> list[int]:
     return pids
 
 
-def reap(token: str, grace_s: float = GRACE_S, settle_s: float = 1.0, most_s: float = 30.0) -> int:
-    """SIGTERM every process carrying ``token``, SIGKILL what is left after ``grace_s``; then
-    look again until none has been seen for ``settle_s`` (at most ``most_s``): a raylet that
-    was still dying can start its agents once more after the first sweep, and those must go
-    too. Returns how many there were."""
-    seen = set(marked(token))
+def reap(
+    token: str,
+    grace_s: float = GRACE_S,
+    settle_s: float = 1.0,
+    most_s: float = 30.0,
+    mark: str = MARK,
+) -> int:
+    """SIGTERM every process carrying ``token`` (under ``mark``), SIGKILL what is left after
+    ``grace_s``; then look again until none has been seen for ``settle_s`` (at most
+    ``most_s``): a raylet that was still dying can start its agents once more after the first
+    sweep, and those must go too. Returns how many there were."""
+    seen = set(marked(token, mark))
     for pid in seen:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and marked(token):
+    while time.monotonic() < deadline and marked(token, mark):
         time.sleep(0.1)
     end = time.monotonic() + most_s
     quiet_since = time.monotonic()
     while time.monotonic() < end:
-        left = marked(token)
+        left = marked(token, mark)
         if left:
             seen |= set(left)
             for pid in left:

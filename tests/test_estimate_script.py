@@ -9,6 +9,7 @@ byte."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -280,3 +281,71 @@ def test_the_qlora_estimate_equals_the_probes_ledger_of_the_script_run_for_real(
     for led in ledgers[1:]:
         assert led["parameters"] == est.at_end["parameters"]
         assert led["optimizer_state"] == est.at_end["optimizer_state"]
+
+
+def _running(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="Linux /proc")
+@pytest.mark.parametrize(
+    "how",
+    [
+        "double fork and setsid",  # a daemonising helper
+        "Popen(start_new_session=True)",  # a tracker service, TensorBoard
+        "the script kills its keeper",
+    ],
+)
+def test_nothing_a_script_starts_outlives_the_estimate(tmp_path, how, record_fault):
+    """Whatever the script starts — in a session of its own, or after killing its keeper — is
+    ended when the estimate ends, and said."""
+    marker = f"stepmem-left-{os.getpid()}-{len(how)}"
+    start = {
+        "double fork and setsid": (
+            "import os\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            f"        os.execvp('bash', ['bash', '-c', 'sleep 600; : {marker}'])\n"
+            "    os._exit(0)\n"
+            "os.wait()\n"
+        ),
+        "Popen(start_new_session=True)": (
+            "import subprocess\n"
+            f"subprocess.Popen(['bash', '-c', 'sleep 600; : {marker}'], start_new_session=True)\n"
+        ),
+        "the script kills its keeper": (
+            "import os, signal, subprocess\n"
+            f"subprocess.Popen(['bash', '-c', 'sleep 600; : {marker}'])\n"
+            "os.kill(os.getppid(), signal.SIGKILL)\n"
+            "import time\n"
+            "time.sleep(600)\n"
+        ),
+    }[how]
+    script = tmp_path / "leaves.py"
+    script.write_text(start)
+    try:
+        r = _cli("--script", str(script), "--time-limit", "120", cwd=tmp_path)
+        assert r.returncode == 2, r.stdout + r.stderr  # no probe step: no estimate
+        assert "the script left" in r.stderr, r.stderr
+        assert _running(marker) == [], f"left running: {_running(marker)}"
+    finally:
+        for pid in _running(marker):
+            os.kill(pid, 9)
+    record_fault(
+        f"a script under estimate --script that leaves a process ({how})",
+        "ended when the estimate ends, and named: " + r.stderr.strip().splitlines()[0][:120],
+        exit_code=r.returncode,
+    )

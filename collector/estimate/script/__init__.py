@@ -13,14 +13,18 @@ through the caching-allocator model and NVML's figure, and whether it fits the G
 
 The script's side effects are its own (it may write files and reach the network as when it runs
 for real); this process contains it: it runs under stepmem's keeper (:mod:`collector.supervise`:
-a process group of its own, ended at the time limit, on Ctrl-C and when this process dies),
-and nothing of it is read back but the result file, as untrusted data.
+a process group of its own, ended at the time limit, on Ctrl-C and when this process dies); every
+process it starts carries a mark in its environment, and whatever still runs when the estimate
+ends — in a session of its own, or left by a keeper that was killed — is ended by that mark
+(:mod:`collector.reaper`) and named; nothing of it is read back but the result file, as
+untrusted data.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -35,6 +39,8 @@ from collector.supervise import GRACE_S, supervised
 __all__ = ["estimate_script"]
 
 MAX_RESULT_BYTES = 64 << 20
+# the environment mark every process of the script inherits (collector.reaper ends them by it)
+OWNER = "STEPMEM_ESTIMATE_OWNER"
 # the script's environment under the estimate: the Hub off (nothing is fetched: a hub kernel
 # could not run on fake tensors anyway, and transformers falls back to torch's own), weights
 # loaded in the script's own thread (where the fake mode is)
@@ -80,6 +86,8 @@ def estimate_script(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_root(), env.get("PYTHONPATH")) if p)
     env.update(SCRIPT_ENV)
     env.pop("STEPMEM_ESTIMATE", None)  # the probe's "predicted peak" input, not this
+    token = f"{os.getpid()}-{secrets.token_hex(6)}"
+    env[OWNER] = token  # inherited by everything the script starts, whatever session it makes
     with tempfile.TemporaryDirectory(prefix="stepmem-estimate-") as tmp:
         result, req_file = Path(tmp) / "result.json", Path(tmp) / "request.json"
         req_file.write_text(json.dumps({"request": req.to_dict(), "result": str(result)}))
@@ -109,7 +117,29 @@ def estimate_script(
         finally:
             if proc.poll() is None:
                 _stop(proc)
+            _reap_left(token)
         return _read(result, code, script)
+
+
+def _reap_left(token: str) -> None:
+    """End every process the script started that is still running — one it put in a session
+    of its own (a tracker service, a daemon) escapes the keeper's process group, and one whose
+    keeper was killed has no keeper — and say so; name any that could not be ended."""
+    import collector.reaper as reaper
+
+    if not reaper.marked(token, OWNER):
+        return
+    n = reaper.reap(token, grace_s=2.0, settle_s=0.3, most_s=10.0, mark=OWNER)
+    left = reaper.marked(token, OWNER)
+    print(
+        f"stepmem estimate: the script left {n} process(es) running after it; "
+        + (
+            f"{len(left)} could not be ended (pid {', '.join(map(str, left[:8]))})"
+            if left
+            else "ended (SIGTERM, then SIGKILL)"
+        ),
+        file=sys.stderr,
+    )
 
 
 def _read(result: Path, code: int, script: Path) -> tuple[Estimate | None, str]:
