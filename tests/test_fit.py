@@ -229,6 +229,8 @@ def test_max_batch_on_a_small_card_is_the_largest_that_fits(tmp_path):
     [
         (["--gpu", "X100"], "not a GPU stepmem knows"),
         (["--gpu", "0.5"], "a size in GiB"),
+        (["--gpu", "4090"], "the card is RTX-4090"),
+        (["--gpu", "5000"], "written with its unit (5000GiB)"),
         (["--gpu", "H200", "--margin", "70"], "--margin 70"),
         (["--gpu", "H200", "--memory-fraction", "1.5"], "--memory-fraction 1.5"),
         (["--gpu", "H200", "--memory-fraction", "0"], "--memory-fraction 0"),
@@ -371,3 +373,10 @@ def test_the_headline_names_step_1_when_its_peak_is_the_largest():
     )  # fmt: skip
     assert est.largest_step == 1 and est.largest_peak == 13 << 20
     assert "Step 1's peak (13.00 MiB) is the largest of the steps traced" in render(est)
+
+
+def test_consumer_cards_are_known_and_a_size_with_its_unit_is_a_size():
+    assert card("RTX-4090").name == "NVIDIA GeForce RTX 4090"
+    assert card("rtx 3090").capacity == 24576 * (1 << 20)
+    assert card("NVIDIA RTX A6000").name == "NVIDIA RTX A6000"
+    assert card("600GiB").capacity == 600 * (1 << 30) and card("24").capacity == 24 << 30

@@ -55,7 +55,9 @@ class Calibration:
 
 # nvidia-smi's memory total (MiB): the H200's read by stepmem on the device machine
 # (benchmarks/results/fit/env.txt); the others as nvidia-smi reports them on those cards
-# (listed in modal-labs/modal-client#2797), not measured by stepmem.
+# (the data-centre ones listed in modal-labs/modal-client#2797; the RTX 3090, 4090, 5090 and
+# A6000 from nvidia-smi tables users posted: noonghunna/club-3090#1128, RLinf/RLinf#255,
+# noonghunna/club-3090#1261 and #1047), not measured by stepmem.
 GPUS: dict[str, tuple[str, int]] = {
     "H200": ("NVIDIA H200", 143771 * MIB),
     "H100-80GB": ("NVIDIA H100 80GB HBM3", 81559 * MIB),
@@ -65,7 +67,12 @@ GPUS: dict[str, tuple[str, int]] = {
     "A10": ("NVIDIA A10", 23028 * MIB),
     "L4": ("NVIDIA L4", 23034 * MIB),
     "T4": ("Tesla T4", 15360 * MIB),
+    "RTX-3090": ("NVIDIA GeForce RTX 3090", 24576 * MIB),
+    "RTX-4090": ("NVIDIA GeForce RTX 4090", 24564 * MIB),
+    "RTX-5090": ("NVIDIA GeForce RTX 5090", 32607 * MIB),
+    "A6000": ("NVIDIA RTX A6000", 49140 * MIB),
 }
+BARE_GIB = 512  # a bare number above this is not a size (a model number?): it needs "GiB"
 
 # Measured by stepmem on the H200 (driver 580.159.04, CUDA 13.0, torch 2.11): a training
 # process's memory outside torch after its first steps, by `stepmem devices --calibrate`
@@ -200,6 +207,13 @@ def card(spec: str, calibrations: list[Calibration] | None = None) -> Card:
     except ValueError:
         gib = None
     if gib is not None:
+        if gib > BARE_GIB and not text.lower().endswith("gib"):
+            like = [k for k in GPUS if _key(k).endswith(_key(text))]
+            raise EstimateError(
+                f"--gpu {text}: a GPU name or a size? "
+                + (f"the card is {like[0]}; " if like else "")
+                + f"a size above {BARE_GIB} GiB is written with its unit ({text}GiB)"
+            )
         if not 1 <= gib <= 4096:
             raise EstimateError(f"--gpu {text}: a size in GiB from 1 to 4096, or a GPU name")
         c, _ = _outside("", cals)
