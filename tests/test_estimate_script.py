@@ -349,3 +349,21 @@ def test_nothing_a_script_starts_outlives_the_estimate(tmp_path, how, record_fau
         "ended when the estimate ends, and named: " + r.stderr.strip().splitlines()[0][:120],
         exit_code=r.returncode,
     )
+
+
+def test_a_forged_result_nested_deep_is_one_line(tmp_path, record_fault):
+    """A script that writes its own result file (200,000 lists deep) in the child's place: the
+    result is untrusted data, read bounded and shallow — one line, not a crash."""
+    script = tmp_path / "forge.py"
+    script.write_text(
+        "import json, os\n"
+        "request = open('/proc/self/cmdline', 'rb').read().split(b'\\0')[-2].decode()\n"
+        "req = json.loads(open(request).read())\n"
+        "open(req['result'], 'w').write('{\"estimate\": ' + '[' * 200000 + ']' * 200000 + '}')\n"
+        "os._exit(0)\n"
+    )
+    r = _cli("--script", str(script), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("stepmem estimate")]
+    assert len(lines) == 1 and "nested" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    record_fault("bad input: a script that forges a deep result file", lines[0][:160], exit_code=2)

@@ -239,6 +239,7 @@ def test_max_batch_on_a_small_card_is_the_largest_that_fits(tmp_path):
         (["--alloc-conf", "max_split_size_mb:10"], "torch requires more than 20"),
         (["--alloc-conf", "expandable_segments:yes"], "True or False"),
         (["--alloc-conf", "no_such_setting:1"], "torch does not know it"),
+        (["--alloc-conf", "backend:cudaMallocAsync"], "only torch's own caching allocator"),
         (["--gpu", "H200", "--max-batch", "--max-seq-len"], "not allowed with"),
     ],
 )

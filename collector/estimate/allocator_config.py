@@ -54,6 +54,12 @@ class AllocatorConfig:
             key, sep, value = item.partition(":")
             if key not in _KNOWN or (not sep and key != "backend"):
                 raise EstimateError(f"allocator setting {item!r}: torch does not know it")
+            if key == "backend" and value not in ("", "native"):
+                raise EstimateError(
+                    f"allocator setting {item!r}: only torch's own caching allocator (backend "
+                    "native) is modelled; CUDA's cudaMallocAsync pools memory by other rules, so "
+                    "an estimate of it would be the caching allocator's figures under its name"
+                )
             if key == "max_split_size_mb":
                 mb = _number(value, key)
                 if mb <= LARGE_BUFFER // MIB:

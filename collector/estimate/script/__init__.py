@@ -34,6 +34,7 @@ from pathlib import Path
 from collector.estimate.request import EstimateRequest
 from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate
+from collector.model.untrusted import inert, read_json
 from collector.supervise import GRACE_S, supervised
 
 __all__ = ["estimate_script"]
@@ -143,21 +144,21 @@ def _reap_left(token: str) -> None:
 
 
 def _read(result: Path, code: int, script: Path) -> tuple[Estimate | None, str]:
-    """The child's result file, as untrusted data."""
+    """The child's result file, as untrusted data (the script could have written it): bounded,
+    strict JSON, shallow (:func:`collector.model.untrusted.read_json`), then checked field by
+    field."""
     try:
-        with result.open("rb") as f:
-            raw = f.read(MAX_RESULT_BYTES + 1)
+        d = read_json(result, MAX_RESULT_BYTES, f"--script {script.name}: its result")
     except OSError:
         raise EstimateError(
             f"--script {script.name}: the estimate's process ended (status {code}) before it "
-            "wrote a result; its output is above"
+            "wrote a result"
         ) from None
-    if len(raw) > MAX_RESULT_BYTES:
-        raise EstimateError(f"--script {script.name}: its result is over {MAX_RESULT_BYTES} bytes")
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from None
     try:
-        d = json.loads(raw)
-        error = str(d.get("error") or "")[:1000]
+        error = inert(str(d.get("error") or ""))[:1000]
         est = Estimate.from_dict(d["estimate"]) if d.get("estimate") is not None else None
-    except (ValueError, AttributeError, KeyError) as exc:
+    except (ValueError, AttributeError, KeyError, TypeError) as exc:
         raise EstimateError(f"--script {script.name}: unreadable result ({exc})") from None
     return est, error
