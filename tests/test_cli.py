@@ -265,6 +265,10 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, reco
     store = RunStore(tmp_path / "runs" / "term")
     assert store.meta["status"] == "interrupted"
     assert store.meta["health"]  # the samplers were stopped and reported
+    from collector.analysis.runs import load_run
+
+    (health,) = load_run(tmp_path / "runs" / "term").health  # as data, read back typed
+    assert health.samples_total and health.rate_hz and health.gpu_uuid == store.gpus()[0]
     (uuid,) = store.gpus()
     assert len(store.samples(uuid)) > 1000  # every sample up to the signal
     record_fault(

@@ -146,7 +146,7 @@ def test_every_committed_report_leads_with_a_verdict_that_agrees_with_its_findin
     state that made its jump."""
     run = load_run(ROOT / "benchmarks/results/h200-cases/runs/h200-keep-logits")
     (stream,) = run.streams
-    from collector.analysis.report import _history
+    from collector.analysis.diagnose_run import _history
 
     sites = {s["step"]: s for s in _history(run)["steps"]}
     fs = diagnose(stream.records, run.totals[stream.gpu_uuid], sites)

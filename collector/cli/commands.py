@@ -226,7 +226,8 @@ def _estimate_out(ns: argparse.Namespace, prog: str) -> Path:
     that is not a stepmem estimate (a slip of the shell, ``--out train.py``) unless ``--force``."""
     from collector.model.prediction import load_estimate
 
-    out = writable_file(ns.out, "--out", prog, (ns.script, ns.config, ns.like))
+    config = ns.config / "config.json" if ns.config and ns.config.is_dir() else ns.config
+    out = writable_file(ns.out, "--out", prog, (ns.script, config, ns.like))
     if out.exists() and not ns.force:
         try:
             load_estimate(out)

@@ -8,8 +8,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from collector.cli import commands as c
-from collector.cli import parsers as p
+import collector.cli.commands as c
+import collector.cli.estimate_parser as e
+import collector.cli.parsers as p
 
 __all__ = ["COMMANDS", "SUBCOMMANDS", "Subcommand", "build_parser"]
 
@@ -26,7 +27,7 @@ SUBCOMMANDS = (
     Subcommand("daemon", p._daemon_parser, c._cmd_daemon),
     Subcommand("report", p._report_parser, c._cmd_report),
     Subcommand("compare", p._compare_parser, c._cmd_compare),
-    Subcommand("estimate", p._estimate_parser, c._cmd_estimate),
+    Subcommand("estimate", e.estimate_parser, c._cmd_estimate),
     Subcommand("dashboards", p._dashboards_parser, c._cmd_dashboards),
     Subcommand("devices", p._devices_parser, c._cmd_devices),
     Subcommand("capture", p._capture_parser, c._cmd_capture),

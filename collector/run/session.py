@@ -194,7 +194,7 @@ class RunSession:
                 status = "incomplete"
             self.writer.close(
                 status,
-                health=self.health,
+                health=[h.to_dict() for h in self.health],
                 samples_lost=self.drainer.samples_lost,
                 records_lost=self.drainer.records_lost,
                 samplers_unreachable=len(self.drainer.unreachable),
