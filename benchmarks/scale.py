@@ -56,7 +56,7 @@ def measure(n: int, seconds: float, prom: Prometheus) -> dict:
         time.sleep(2.0)
         pids = [p.info.pid for p in placed]
         cpu0 = [proc_cpu_s(pid) for pid in pids]
-        sent0 = sum(ray.get(p.handle.health.remote())["remote_write"]["sent"] for p in placed)
+        sent0 = sum(ray.get(p.handle.health.remote()).remote_write["sent"] for p in placed)
         t0 = time.monotonic()
         scrape_ms, series = [], 0
         while time.monotonic() - t0 < seconds:
@@ -71,7 +71,7 @@ def measure(n: int, seconds: float, prom: Prometheus) -> dict:
         wall = time.monotonic() - t0
         cpu = [(proc_cpu_s(pid) - c) / wall for pid, c in zip(pids, cpu0, strict=True)]
         health = [ray.get(p.handle.health.remote()) for p in placed]
-        sent = sum(h["remote_write"]["sent"] for h in health) - sent0
+        sent = sum(h.remote_write["sent"] for h in health) - sent0
         return {
             "gpus": n,
             "seconds": wall,
@@ -80,8 +80,8 @@ def measure(n: int, seconds: float, prom: Prometheus) -> dict:
             "series_per_gpu": series,
             "scrape_ms_median": statistics.median(scrape_ms),
             "remote_write_samples_per_s": sent / wall,
-            "achieved_rate_hz": [h["rate_hz"] for h in health],
-            "remote_write_dropped": [h["remote_write"]["dropped"] for h in health],
+            "achieved_rate_hz": [h.rate_hz for h in health],
+            "remote_write_dropped": [h.remote_write["dropped"] for h in health],
         }
     finally:
         refresher.stop()
