@@ -180,6 +180,13 @@ def test_compare_says_when_the_cards_differ(tmp_path):
     new["samplers"][0]["total_bytes"] = 150754820096 + (1 << 30)
     r = stepmem("compare", str(_write(tmp_path, "b", base)), str(_write(tmp_path, "n", new)))
     assert "Different GPUs" in r.stdout and "H100" in r.stdout, r.stdout + r.stderr
+    assert "GiB GiB" not in r.stdout, r.stdout
+    # one H200 replaying two captures is one card
+    base["samplers"][0]["name"] = "NVIDIA H200 (replay of adamw_8bit)"
+    new = copy.deepcopy(base)
+    new["samplers"][0]["name"] = "NVIDIA H200 (replay of paged_adamw_8bit)"
+    r = stepmem("compare", str(_write(tmp_path, "b2", base)), str(_write(tmp_path, "n2", new)))
+    assert "Different GPUs" not in r.stdout, r.stdout
 
 
 def test_a_run_name_cannot_break_out_of_the_markdown_code_span(tmp_path):

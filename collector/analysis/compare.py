@@ -236,7 +236,9 @@ def _code(name: str) -> str:
 
 
 def _card(run: Run) -> list[tuple[str, int]]:
-    return [(s.name, s.total_bytes) for s in run.samplers]
+    """Each sampler's card: its name (a replay's without what it replays: the H200 replaying
+    one capture is the H200 replaying another) and its memory."""
+    return [(s.name.split(" (replay of ")[0], s.total_bytes) for s in run.samplers]
 
 
 def _differences(base: Run, new: Run) -> list[str]:
@@ -246,7 +248,7 @@ def _differences(base: Run, new: Run) -> list[str]:
     if base.samplers and new.samplers and _card(base) != _card(new):
 
         def cards(run: Run) -> str:
-            return ", ".join(f"{n or '?'} ({gib(t)} GiB)" for n, t in dict.fromkeys(_card(run)))
+            return ", ".join(f"{n or '?'} ({gib(t)})" for n, t in dict.fromkeys(_card(run)))
 
         out.append(
             f"**Different GPUs**: BASE ran on {cards(base)}, NEW on {cards(new)}: the peaks "
