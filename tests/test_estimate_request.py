@@ -176,3 +176,16 @@ def test_out_never_overwrites_what_is_not_an_estimate(tmp_path, script, what, re
         r = _cli("--size", "tiny", "--out", str(target), "--force", "--json", cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         assert json.loads(target.read_text())["format"] == 1
+
+
+def test_progress_reaches_a_file_or_pipe_as_plain_lines(tmp_path):
+    """An estimate whose stderr is a file (a CI log) says what it is doing as it goes, a plain
+    line each (no bar, no terminal codes); ``--json`` keeps stderr quiet."""
+    r = _cli("--size", "tiny", cwd=tmp_path)  # stderr is a pipe here
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines and all(x.startswith("… ") for x in lines), r.stderr
+    assert any("tracing tiny" in x for x in lines)
+    assert "\x1b" not in r.stderr and "\r" not in r.stderr
+    r = _cli("--size", "tiny", "--json", cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -260,11 +260,11 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         req = plan_estimate(flags, torch.cuda.is_available(), like)
     except EstimateError as exc:  # a flag's value, file or run: the user's to fix
         raise UserError(f"{prog}: {exc}") from None
-    quiet = ns.json or not sys.stderr.isatty()
-
     def say(m: str) -> None:
-        if not quiet:
-            print(f"… {m}", file=sys.stderr)
+        """Progress, a plain line each on stderr — also to a file or pipe, where a minutes-long
+        --max-batch would otherwise look hung in a CI log (--json keeps stderr quiet)."""
+        if not ns.json:
+            print(f"… {m}", file=sys.stderr, flush=True)
 
     try:
         outcome = run_estimate(req, progress=say)
