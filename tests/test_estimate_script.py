@@ -346,7 +346,8 @@ def test_nothing_a_script_starts_outlives_the_estimate(tmp_path, how, record_fau
             os.kill(pid, 9)
     record_fault(
         f"a script under estimate --script that leaves a process ({how})",
-        "ended when the estimate ends, and named: " + r.stderr.strip().splitlines()[0][:120],
+        "ended when the estimate ends, and named: "
+        + next(x for x in r.stderr.splitlines() if "the script left" in x)[:140],
         exit_code=r.returncode,
     )
 
