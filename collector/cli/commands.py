@@ -260,6 +260,7 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         req = plan_estimate(flags, torch.cuda.is_available(), like)
     except EstimateError as exc:  # a flag's value, file or run: the user's to fix
         raise UserError(f"{prog}: {exc}") from None
+
     def say(m: str) -> None:
         """Progress, a plain line each on stderr — also to a file or pipe, where a minutes-long
         --max-batch would otherwise look hung in a CI log (--json keeps stderr quiet)."""
