@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report_identity import keep  # noqa: E402
+
 READ = """
 import json, sys
 from collector.estimate.render import render
@@ -69,10 +72,7 @@ def main() -> int:
             stdout = subprocess.run(
                 [sys.executable, "-c", post], input=stdout, capture_output=True, text=True
             ).stdout
-        text = f"exit {res.returncode}\n{stdout}{res.stderr}"
-        (a.out / f"{name}.txt").write_text(text)
-        digest.update(name.encode() + text.encode())
-        print(f"{name}: exit {res.returncode}, {len(text)} chars", flush=True)
+        keep(a.out, name, res.returncode, stdout + res.stderr, digest)
     print(f"{len(todo)} estimates, sha256 {digest.hexdigest()}")
     return 0
 

@@ -50,6 +50,15 @@ def jobs() -> list[tuple[str, list[str]]]:
     return out
 
 
+def keep(out: Path, name: str, returncode: int, output: str, digest) -> None:
+    """One command's exit status and output: written to ``OUT/NAME.txt``, added to the digest,
+    and said (``estimate_identity.py`` keeps its own the same way)."""
+    text = f"exit {returncode}\n{output}"
+    (out / f"{name}.txt").write_text(text)
+    digest.update(name.encode() + text.encode())
+    print(f"{name}: exit {returncode}, {len(text)} chars", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -65,10 +74,7 @@ def main() -> int:
         res = subprocess.run(
             [sys.executable, "-c", env_code, *argv], capture_output=True, text=True, cwd=ROOT
         )
-        text = f"exit {res.returncode}\n{res.stdout}{res.stderr}"
-        (a.out / f"{name}.txt").write_text(text)
-        digest.update(name.encode() + text.encode())
-        print(f"{name}: exit {res.returncode}, {len(text)} chars", flush=True)
+        keep(a.out, name, res.returncode, res.stdout + res.stderr, digest)
     print(f"{len(jobs())} reports, sha256 {digest.hexdigest()}")
     return 0
 
