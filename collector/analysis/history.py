@@ -84,6 +84,7 @@ MAX_ENTRIES = 2_000_000
 MAX_FRAMES = 512
 MAX_MARKS = 4096
 MAX_MARKS_BYTES = 4 << 20
+MAX_SITE_READS = 5_000_000  # site sums read at marks, over a whole trace
 # modules that are plumbing, not the line that asked for memory (PyTorch's own, the stdlib's)
 _PLUMBING = ("torch/", "contextlib.py", "functools.py", "threading.py")
 _LIBRARY_ROOTS = ("site-packages/", "dist-packages/")
@@ -222,6 +223,51 @@ def _top(items: dict[str, list[int]], n: int) -> list[Site]:
     return sorted(rows, key=lambda s: -s.bytes)[:n]
 
 
+class _Live:
+    """The blocks live now, summed by site as they come and go (and by the step that allocated
+    them): what a step's summary needs at a mark is read off these sums, never a copy of every
+    live block (a trace of 100,000 live blocks and 2,000 steps would otherwise be 2,000 copies)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[Any, tuple[int, str, int | None]] = {}  # addr -> size, site, step
+        self.by_site: dict[str, list[int]] = {}
+        self.by_step: dict[int | None, dict[str, list[int]]] = defaultdict(dict)
+        self.total = 0
+        self.work = 0  # sites read at marks, bounded by MAX_SITE_READS
+
+    def alloc(self, addr: Any, size: int, site: str, step: int | None) -> None:
+        self.free(addr)
+        self.blocks[addr] = (size, site, step)
+        self.total += size
+        for acc in (self.by_site, self.by_step[step]):
+            row = acc.setdefault(site, [0, 0])
+            row[0] += size
+            row[1] += 1
+
+    def free(self, addr: Any) -> None:
+        block = self.blocks.pop(addr, None)
+        if block is None:
+            return
+        size, site, step = block
+        self.total -= size
+        for acc in (self.by_site, self.by_step[step]):
+            row = acc[site]
+            row[0] -= size
+            row[1] -= 1
+            if row[1] == 0:
+                del acc[site]
+
+    def top(self, top: int, step: int | None = None, by_step: bool = False) -> list[Site]:
+        acc = self.by_step.get(step, {}) if by_step else self.by_site
+        self.work += len(acc)
+        if self.work > MAX_SITE_READS:
+            raise HistoryError(
+                f"its trace asks for more than {MAX_SITE_READS:,} site sums across its marks "
+                "(live blocks of many sites at many marks); not read"
+            )
+        return _top(acc, top)
+
+
 def step_sites(
     snap: dict[str, Any], marks: list[dict[str, Any]], device: int = 0, top: int = 8
 ) -> list[StepSites]:
@@ -250,63 +296,47 @@ def step_sites(
             return None, ""
         return bounds[i][1], bounds[i][3] or Phase.FORWARD_BACKWARD
 
-    live: dict[int, tuple[int, str, int | None, int]] = {}  # addr -> size, site, step, time
-    total = 0
     out = {s: StepSites(s) for s in sorted(ends) if s in begins}
     peak_t: dict[int, int] = {}
     end_pending = sorted((t, s) for s, t in ends.items() if s in out)
-    live_at_end: dict[int, dict[int, tuple[int, str, int | None, int]]] = {}
+    live = _Live()
 
     def flush_ends(upto: int) -> None:
         while end_pending and end_pending[0][0] <= upto:
             _, s = end_pending.pop(0)
-            live_at_end[s] = dict(live)
+            out[s].at_end = live.top(top)
+            if s - 1 in out:  # made in the step before, live at this one's end
+                out[s - 1].kept_to_next = live.top(top, s - 1, by_step=True)
 
     for e in trace:
         t = int(e.get("time_us", 0))
         flush_ends(t)
-        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+        action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
             step, phase = where(t)
-            live[addr] = (size, site(e.get("frames")), step, t)
-            total += size
-            if step in out and total > out[step].peak_bytes:
-                out[step].peak_bytes, out[step].peak_phase, peak_t[step] = total, phase, t
-        elif action in ("free_completed",) and addr in live:
-            total -= live.pop(addr)[0]
+            live.alloc(addr, int(e.get("size", 0)), site(e.get("frames")), step)
+            if step in out and live.total > out[step].peak_bytes:
+                out[step].peak_bytes, out[step].peak_phase, peak_t[step] = live.total, phase, t
+        elif action == "free_completed":
+            live.free(addr)
     flush_ends(1 << 62)
 
     # the live set at each step's peak: replay again up to the peak's time
-    live2: dict[int, tuple[int, str]] = {}
+    again = _Live()
+    again.work = live.work
     want = sorted((t, s) for s, t in peak_t.items())
     k = 0
     for e in trace:
         t = int(e.get("time_us", 0))
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
-            live2[addr] = (int(e.get("size", 0)), site(e.get("frames")))
+            again.alloc(addr, int(e.get("size", 0)), site(e.get("frames")), None)
         elif action == "free_completed":
-            live2.pop(addr, None)
+            again.free(addr)
         while k < len(want) and t >= want[k][0]:
-            out[want[k][1]].at_peak = _group(live2.values(), top)
+            out[want[k][1]].at_peak = again.top(top)
             k += 1
-
-    for s, rec in out.items():
-        at_end = live_at_end.get(s, {})
-        rec.at_end = _group(((v[0], v[1]) for v in at_end.values()), top)
-        nxt = live_at_end.get(s + 1)
-        if nxt is not None:
-            kept = ((v[0], v[1]) for a, v in nxt.items() if v[2] == s)
-            rec.kept_to_next = _group(kept, top)
     return list(out.values())
-
-
-def _group(items: Iterable[tuple[int, str]], top: int) -> list[Site]:
-    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, site in items:
-        acc[site][0] += size
-        acc[site][1] += 1
-    return _top(acc, top)
 
 
 def summary(folder: Path, top: int = 8) -> dict[str, Any]:
