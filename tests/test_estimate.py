@@ -213,6 +213,9 @@ def test_an_untraceable_model_names_the_module_and_estimates_the_rest(record_fau
         (["--config", "{tmp}/latin1.json"], "not UTF-8"),
         (["--config", "{tmp}/layers.json"], "at most 1,024"),
         (["--config", "{tmp}/experts.json"], "at most 1,024"),
+        (["--config", "{tmp}/bart_layers.json"], "more than 30,000 modules"),
+        (["--config", "{tmp}/deep64.json", "--time-limit", "2"], "not traced within 2 s"),
+        (["--config", "{tmp}/ansi_type.json"], "is not a model type"),
         (["--size", "tiny", "--grad-accum", "1000000"], "grad_accum must be"),
     ],
 )
@@ -235,6 +238,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, says, record_fault):
         ("experts", {"text_config": {"num_local_experts": 100_000}}),
     ):
         (tmp_path / f"{name}.json").write_text(json.dumps({**tiny, **extra}))
+    bart = {"model_type": "bart", "d_model": 16, "encoder_layers": 1, "decoder_layers": 100_000,
+            "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+            "decoder_ffn_dim": 32, "vocab_size": 64}  # fmt: skip
+    (tmp_path / "bart_layers.json").write_text(json.dumps(bart))  # a layer key no list names
+    (tmp_path / "deep64.json").write_text(json.dumps({**tiny, "num_hidden_layers": 64}))
+    (tmp_path / "ansi_type.json").write_text(
+        json.dumps({**tiny, "model_type": "\x1b]0;PWNED\x07\x1b[2Jllama"})
+    )
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (tmp_path / "nan.json").write_text('{"model_type": "llama", "hidden_size": NaN}')
     (tmp_path / "latin1.json").write_bytes(b'{"model_type": "llama\xe9"}')
@@ -243,6 +254,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, says, record_fault):
     assert r.returncode == 2, r.stdout + r.stderr
     said = [x for x in r.stderr.strip().splitlines() if not x.startswith("… ")]  # not progress
     assert says in r.stderr and len(said) == 1, r.stderr
+    assert "\x1b" not in r.stderr  # a config's strings are printed inert
     shown = " ".join(a.replace("{tmp}/", "").replace("{tmp}", "EMPTY_DIR") for a in argv)
     record_fault(f"bad input: stepmem estimate {shown}", said[0][:160], exit_code=2)
 

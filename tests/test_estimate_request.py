@@ -106,7 +106,8 @@ def test_a_script_request_crosses_to_the_child_as_data_and_back(script):
         ),
         cuda=False,
     )
-    assert req.script == ScriptSubject(script.resolve(), ("--lr", "1"), DEFAULT_TIME_LIMIT)
+    assert req.script == ScriptSubject(script.resolve(), ("--lr", "1"))
+    assert req.time_limit == DEFAULT_TIME_LIMIT
     back = EstimateRequest.from_dict(json.loads(json.dumps(req.to_dict())))
     assert back == req
     assert back.target is not None and back.target.card.name == "NVIDIA L4"

@@ -120,8 +120,8 @@ def _script_flags(e, model) -> None:
         type=args.positive_float,
         default=None,
         metavar="SECONDS",
-        help="--script: stop the script if its second probe step has not ended by then "
-        "(default 900)",
+        help="stop a trace that has not ended by then: a script's run to its second probe step, "
+        "or one trace of a config or size (default 900; a --max-* search traces several)",
     )
 
 

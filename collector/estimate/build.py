@@ -14,6 +14,7 @@ from typing import Any
 from collector.estimate.spec import SHAPES, Spec
 from collector.model.errors import EstimateError
 from collector.model.kinds import ESTIMATE_KINDS, MemoryKind
+from collector.model.untrusted import inert
 
 __all__ = [
     "build_model",
@@ -60,6 +61,11 @@ def build_model(spec: Spec, device: Any = None) -> Any:
     return model
 
 
+def _why(exc: BaseException) -> str:
+    """A library's error about a config, as one inert line (the config's own strings are in it)."""
+    return inert(" ".join(str(exc).split()))[:300]
+
+
 def _base_model(spec: Spec) -> Any:
     offline()
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -72,16 +78,18 @@ def _base_model(spec: Spec) -> Any:
         try:  # the config is data; whatever transformers refuses in it is the user's to fix
             config = AutoConfig.for_model(kind, **cfg)
         except Exception as exc:
-            why = " ".join(str(exc).split())[:300]
             raise EstimateError(
-                f"config: transformers could not build its config ({why})"
+                f"config: transformers could not build its config ({_why(exc)})"
             ) from None
         config.use_cache = False
         try:
             return AutoModelForCausalLM.from_config(config)
+        except EstimateError:
+            raise  # a bound the build met (collector.estimate.limits)
         except Exception as exc:
-            why = " ".join(str(exc).split())[:300]
-            raise EstimateError(f"config: transformers could not build its model ({why})") from None
+            raise EstimateError(
+                f"config: transformers could not build its model ({_why(exc)})"
+            ) from None
     if spec.size not in SHAPES:
         raise EstimateError(f"size {spec.size!r}: one of {', '.join(sorted(SHAPES))}")
     config = LlamaConfig(

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 DEFAULT_MARGIN = 2.0  # percent of what torch may reserve, kept free when judging a fit
-DEFAULT_TIME_LIMIT = 900.0  # seconds a script may take to its second probe step
+DEFAULT_TIME_LIMIT = 900.0  # seconds one trace may take (a script: to its second probe step)
 DEFAULT_WORKLOAD = "finetune"
 COUNTERS_CARD = "H200"  # a script's torch.cuda counters without a GPU to hold it against
 MAX_TIME_LIMIT = 7 * 24 * 3600.0
@@ -88,19 +88,20 @@ class EstimateFlags:
 @dataclass(frozen=True)
 class ScriptSubject:
     """A user's training script: run as ``python PATH ARGS`` on fake tensors, stopped at its
-    second probe step or after ``time_limit`` seconds."""
+    second probe step (or at the request's time limit)."""
 
     path: Path
     args: tuple[str, ...] = ()
-    time_limit: float = DEFAULT_TIME_LIMIT
 
 
 @dataclass(frozen=True)
 class EstimateRequest:
     """A checked estimate: what is estimated, the allocator's settings, the GPU it is held
     against (None: no verdict), the card a script's ``torch.cuda`` counters answer from, and
-    the axis searched for its largest value that fits (None: no search). ``real``: the script on
-    real CPU tensors instead of fake ones (the tests hold the two to each other)."""
+    the axis searched for its largest value that fits (None: no search), and the seconds one
+    trace may take (a script's run to its second probe step, or one trace of a spec; a search
+    traces several). ``real``: the script on real CPU tensors instead of fake ones (the tests
+    hold the two to each other)."""
 
     subject: Spec | ScriptSubject
     allocator: AllocatorConfig
@@ -108,6 +109,7 @@ class EstimateRequest:
     counters_card: gpus.Card
     search: str | None = None
     real: bool = False
+    time_limit: float = DEFAULT_TIME_LIMIT
 
     @property
     def script(self) -> ScriptSubject | None:
@@ -121,7 +123,7 @@ class EstimateRequest:
         """The request as JSON data (what a script's child process reads)."""
         s = self.subject
         if isinstance(s, ScriptSubject):
-            subject = {"script": str(s.path), "args": list(s.args), "time_limit": s.time_limit}
+            subject = {"script": str(s.path), "args": list(s.args)}
         else:
             subject = {"spec": {**asdict(s), "lora_targets": list(s.lora_targets)}}
         t = self.target
@@ -137,6 +139,7 @@ class EstimateRequest:
             "counters_card": self.counters_card.to_dict(),
             "search": self.search,
             "real": self.real,
+            "time_limit": self.time_limit,
         }
 
     @classmethod
@@ -146,9 +149,7 @@ class EstimateRequest:
             s = d["subject"]
             if "script" in s:
                 subject: Spec | ScriptSubject = ScriptSubject(
-                    Path(str(s["script"])),
-                    tuple(str(a) for a in s["args"]),
-                    float(s["time_limit"]),
+                    Path(str(s["script"])), tuple(str(a) for a in s["args"])
                 )
             else:
                 spec = dict(s["spec"])
@@ -170,6 +171,7 @@ class EstimateRequest:
                 gpus.Card(**d["counters_card"]),
                 d.get("search"),
                 bool(d.get("real", False)),
+                float(d.get("time_limit", DEFAULT_TIME_LIMIT)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise EstimateError(f"an estimate request that cannot be read ({exc})") from None
@@ -182,18 +184,21 @@ def plan_estimate(
     ``like``: the workload summary of the run ``--like`` names, as data). Every check is here:
     :class:`EstimateError`, one line, before anything runs."""
     allocator = _allocator(flags.alloc_conf)
+    limit = DEFAULT_TIME_LIMIT if flags.time_limit is None else flags.time_limit
+    if not (math.isfinite(limit) and 0 < limit <= MAX_TIME_LIMIT):
+        raise EstimateError(f"--time-limit {limit:g}: seconds, above 0 and at most a week")
     if flags.script is not None:
         subject: Spec | ScriptSubject = _script(flags)
     else:
-        if flags.script_args or flags.time_limit is not None:
-            raise EstimateError("arguments after '--' and --time-limit are for --script")
+        if flags.script_args:
+            raise EstimateError("arguments after '--' are for --script")
         subject = _spec(flags, cuda, like)
     target, counters = _target(flags, cuda)
     search = "batch" if flags.max_batch else "seq_len" if flags.max_seq_len else None
     if search is not None and target is None:
         flag = "--max-batch" if flags.max_batch else "--max-seq-len"
         raise EstimateError(f"{flag} needs --gpu NAME|GIB (this machine has no GPU)")
-    return EstimateRequest(subject, allocator, target, counters, search, real)
+    return EstimateRequest(subject, allocator, target, counters, search, real, float(limit))
 
 
 # what a script sets itself: flags --script refuses
@@ -225,10 +230,7 @@ def _script(flags: EstimateFlags) -> ScriptSubject:
     path = Path(flags.script).resolve()
     if not path.is_file():
         raise EstimateError(f"--script {flags.script}: no such file")
-    limit = DEFAULT_TIME_LIMIT if flags.time_limit is None else flags.time_limit
-    if not (math.isfinite(limit) and 0 < limit <= MAX_TIME_LIMIT):
-        raise EstimateError(f"--time-limit {limit:g}: seconds, above 0 and at most a week")
-    return ScriptSubject(path, tuple(flags.script_args), float(limit))
+    return ScriptSubject(path, tuple(flags.script_args))
 
 
 def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collector.estimate.largest import largest
+from collector.estimate.limits import time_limited
 from collector.estimate.request import EstimateRequest
 from collector.estimate.trace import estimate
 from collector.model.prediction import Estimate, SearchResult
@@ -43,8 +44,9 @@ def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = 
         "fake tensors: seconds for a small model, under a minute for a 7B"
     )
 
-    def trace(s: Any) -> Estimate:
-        return estimate(s, allocator=req.allocator, target=req.target)
+    def trace(s: Any, progress: Callable[[str], None] | None = None) -> Estimate:
+        with time_limited(req.time_limit, f"{model} at batch {s.batch} × {s.seq_len}"):
+            return estimate(s, progress=progress, allocator=req.allocator, target=req.target)
 
     if req.search is not None and req.target is not None:
         say(
@@ -54,4 +56,4 @@ def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = 
         if est is not None:
             est.largest = search
         return Outcome(est, search=search)
-    return Outcome(estimate(spec, progress=say, allocator=req.allocator, target=req.target))
+    return Outcome(trace(spec, say))

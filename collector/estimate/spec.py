@@ -4,12 +4,13 @@ shapes and optimizers stepmem knows — which the ``finetune`` workload trains, 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
-from collector.model.untrusted import read_json
+from collector.model.untrusted import inert, read_json
 
 __all__ = ["OPTIMS", "SHAPES", "SHARDS", "WORKLOADS", "Spec", "read_config"]
 
@@ -190,6 +191,11 @@ def read_config(path: Path) -> dict[str, Any]:
         raise EstimateError(str(exc)) from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
         raise EstimateError(f"--config {f}: a config.json with a model_type")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cfg["model_type"]):
+        raise EstimateError(
+            f"--config {f}: model_type {inert(cfg['model_type'])[:64]!r} is not a model type "
+            "(letters, digits, '_', '-' and '.')"
+        )
     if cfg.get("auto_map"):
         raise EstimateError(
             f"--config {f}: its model is custom code (auto_map); stepmem runs no code from a config"

@@ -59,6 +59,7 @@ from collector.estimate.fakes import (
     parameter_subclasses,
 )
 from collector.estimate.fit import Target
+from collector.estimate.limits import bounded_build
 from collector.estimate.spec import Spec
 from collector.estimate.tracing import (
     MAX_STEPS_TRACED,
@@ -337,7 +338,7 @@ def estimate(
             more.enter_context(t.log.mode())
             t.log.mark(Phase.BUILD)
         say("building the model on fake tensors")
-        with torch.device(device):
+        with torch.device(device), bounded_build(spec.size or "--config"):
             model = build_model() if build_model is not None else build.build_model(spec, device)
         _prepare(spec, model, mesh)
         opt = build.optimizer(spec, model)

@@ -243,7 +243,7 @@ class Estimate:
         if self.script:
             return f"script {s.get('script')}"
         if s.get("config"):
-            return f"a {(s.get('config') or {}).get('model_type', '?')} config"
+            return f"a {inert(str((s.get('config') or {}).get('model_type', '?')))[:64]} config"
         return str(s.get("size") or "a config")
 
     @property

@@ -80,7 +80,7 @@ def estimate_script(
     the script cannot be run or is stopped at its time limit."""
     say = progress or (lambda _m: None)
     assert req.script is not None
-    script, time_limit = req.script.path, req.script.time_limit
+    script, time_limit = req.script.path, req.time_limit
     if not script.is_file():
         raise EstimateError(f"--script {script}: no such file")
     env = dict(os.environ)
