@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import shutil
+import stat
 import threading
 from collections import Counter
 from pathlib import Path
@@ -304,6 +305,12 @@ class RunStore:
         parts = sorted(folder.glob("part-*.parquet"))
         if not parts:
             return None
+        odd = [p.name for p in parts if not _regular(p)]
+        if odd:  # a folder is read by pyarrow as an (empty) dataset: steps gone with no word
+            raise StoreError(
+                f"{folder}: {', '.join(odd[:4])} {'is' if len(odd) == 1 else 'are'} not a "
+                "regular file (a part is one Parquet file); the store is not read"
+            )
         try:
             return pa.concat_tables(
                 [pq.read_table(p) for p in parts], promote_options="default"
@@ -316,6 +323,9 @@ class RunStore:
         error), by name; reading the footer only, so it is quick on a large store."""
         bad = []
         for p in sorted((self.root / folder).glob("part-*.parquet")):
+            if not _regular(p):
+                bad.append(f"{folder}/{p.name}")
+                continue
             try:
                 pq.ParquetFile(p).metadata  # noqa: B018 - the read is the check
             except (OSError, pa.ArrowException):
@@ -360,3 +370,11 @@ class RunStore:
 
     def events(self) -> Any:
         return self._read(self.root / "events")
+
+
+def _regular(p: Path) -> bool:
+    """A regular file (a link to one too): never a folder, a FIFO or a device."""
+    try:
+        return stat.S_ISREG(p.stat().st_mode)
+    except OSError:
+        return False

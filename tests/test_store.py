@@ -262,3 +262,61 @@ def test_a_store_that_could_not_be_created_leaves_no_folder_to_block_its_run_id(
     assert not (tmp_path / "runs" / "x").exists()
     RunWriter(tmp_path / "runs" / "x", {"run_id": "x"}).close()  # the id is free again
     assert RunStore(tmp_path / "runs" / "x").meta["status"] == "complete"
+
+
+def test_a_part_that_is_not_a_file_is_named_never_skipped(tmp_path, record_fault):
+    """A steps part replaced by a folder: pyarrow reads a folder as an empty dataset, and the
+    report listed the other part's steps with no word of the rest. Now the store is refused,
+    naming the part; a samples part that is a folder is named as one that cannot be read."""
+    from collector.analysis.runs import load_run
+    from collector.store import StoreError
+
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_samples("GPU-a", np.arange(5), np.arange(5) * 2, np.zeros(5))
+    w.add_records([record(1), record(2)])
+    w.flush()
+    w.add_records([record(3)])
+    w.close()
+    root = tmp_path / "run"
+    first = sorted((root / "steps").glob("part-*.parquet"))[0]
+    first.unlink()
+    first.mkdir()
+    with pytest.raises(StoreError, match=f"{first.name} is not a regular file"):
+        load_run(root)
+    first.rmdir()
+    (samples,) = (root / "samples/GPU-a").glob("part-*.parquet")
+    samples.unlink()
+    samples.mkdir()
+    (root / "steps" / first.name).write_bytes(b"")  # a steps part again, empty: named too
+    with pytest.raises(StoreError, match="unreadable part"):
+        load_run(root)
+    (root / "steps" / first.name).unlink()
+    run = load_run(root)
+    assert any(f"samples/GPU-a/{samples.name}" in p for p in run.meta["problems"])
+    record_fault(
+        "a run store whose steps part is a folder (and a samples part that is one)",
+        "the steps part named, the store not read (exit 2); the samples part named as one that "
+        "cannot be read, every step kept",
+    )
+
+
+def test_a_huge_string_in_a_store_is_cut_at_read(tmp_path, record_fault):
+    """A 50 MiB step error (2.4 MB of Parquet) kept report busy past 60 s: strings from data
+    are cut at read (collector.model.untrusted.MAX_TEXT_CHARS), before anything walks them."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import load_run
+    from collector.model.untrusted import MAX_TEXT_CHARS
+
+    w = RunWriter(tmp_path / "run", {"run_id": "r1"})
+    w.add_records([record(1, error="E" * (50 << 20)), record(2)])
+    w.close()
+    run = load_run(tmp_path / "run")
+    err = run.streams[0].records[0].error
+    assert len(err) == MAX_TEXT_CHARS + 1 and err.endswith("…")
+    text, _ = render_report(run)
+    assert len(text) < 200_000
+    record_fault(
+        "a run store whose step error is a 50 MiB string",
+        f"cut to {MAX_TEXT_CHARS:,} characters at read; the report is its usual size",
+        report_chars=len(text),
+    )

@@ -5,9 +5,9 @@ ends up printed somewhere.
 * :func:`read_json` reads a regular file of bounded size (never a device, a FIFO or ``/proc``:
   those report size 0 and never end), as UTF-8 JSON without ``NaN``/``Infinity`` and nested at
   most :data:`MAX_DEPTH` deep; anything else is one :class:`ValueError` line naming why.
-* :func:`inert` strips C0 and C1 control characters from a string read from data (terminal
-  escapes: colours, the window title, the clipboard through OSC 52, concealed text), so what is
-  printed is what is there. Rich markup in such strings is the printer's to escape (a
+* :func:`inert` cuts a string read from data to :data:`MAX_TEXT_CHARS` and strips its C0 and C1
+  control characters (terminal escapes: colours, the window title, the clipboard through OSC 52,
+  concealed text), so what is printed is what is there, and no longer than a line or two. Rich markup in such strings is the printer's to escape (a
   ``rich.text.Text``, never a markup string).
 """
 
@@ -20,15 +20,21 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "depth", "inert", "read_json"]
+__all__ = ["MAX_DEPTH", "MAX_TEXT_CHARS", "depth", "inert", "read_json"]
 
 MAX_DEPTH = 64  # stepmem's own files nest a handful of levels
+MAX_TEXT_CHARS = 4096  # a string read from data, as printed (an error, a name, a banner)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
-def inert(s: str) -> str:
-    """``s`` without control characters (tabs and newlines kept as spaces)."""
-    return _CONTROL.sub("", s.replace("\t", " ").replace("\n", " ")) if s else s
+def inert(s: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``s`` without control characters (tabs and newlines kept as spaces), cut to ``limit``
+    characters first (a string read from data is printed, and a 50 MiB one would make every
+    later step of a report walk it): what is cut ends in ``…``."""
+    if not s:
+        return s
+    cut = s[:limit] + "…" if len(s) > limit else s
+    return _CONTROL.sub("", cut.replace("\t", " ").replace("\n", " "))
 
 
 def depth(v: Any, limit: int = MAX_DEPTH) -> int:
