@@ -311,6 +311,26 @@ def test_a_process_that_cannot_spool_says_so_and_the_run_learns_it(tmp_path, cap
     assert line.startswith("1 process(es) could not write their step events")
 
 
+def test_a_full_spool_disk_costs_the_probes_close_nothing(tmp_path, caplog):
+    """D10's rest: a spool on a full disk (its file is /dev/full: every write ENOSPC) made the
+    probe's close print a 13-line traceback, from the file's close flushing what the failed
+    write left buffered. The close is quiet now: said once, counted, marked."""
+    import os
+
+    from collector.probe.core import StepProbe
+
+    os.symlink("/dev/full", tmp_path / f"events-{os.getpid()}.jsonl")
+    probe = StepProbe(outbox=Outbox(None, spool=tmp_path, flush_interval_s=0.01))
+    for i in range(1, 4):
+        with probe.step(i):
+            pass
+    probe.close()
+    assert not probe.errors, probe.errors
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert probe.outbox.dropped["spool_failed"] >= 1
+    assert sum("cannot write step events" in r.message for r in caplog.records) == 1
+
+
 def test_two_runs_with_one_run_id_never_share_a_spool_folder():
     """D8, D11: the spool folder is the run instance's, not the run id's."""
     from collector.run.job import spool_dir

@@ -264,8 +264,14 @@ class Outbox:
         for name in ("_file", "_spool_file"):
             f = getattr(self, name)
             if f is not None:
-                f.close()
                 setattr(self, name, None)
+                try:
+                    f.close()  # flushes what a failed write left buffered
+                except OSError as exc:  # a full disk: those events were counted when they failed
+                    if name == "_spool_file":
+                        self._spool_failed(exc)
+                    else:
+                        log.warning("step events file close failed: %s", exc)
 
 
 def ray_process_label() -> str:
