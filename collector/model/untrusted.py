@@ -7,8 +7,8 @@ ends up printed somewhere.
   most :data:`MAX_DEPTH` deep; anything else is one :class:`ValueError` line naming why.
 * :func:`inert` cuts a string read from data to :data:`MAX_TEXT_CHARS` and strips its C0 and C1
   control characters (terminal escapes: colours, the window title, the clipboard through OSC 52,
-  concealed text), so what is printed is what is there, and no longer than a line or two. Rich markup in such strings is the printer's to escape (a
-  ``rich.text.Text``, never a markup string).
+  concealed text), so what is printed is what is there, at a bounded length. Rich markup in
+  such strings is the printer's to escape (a ``rich.text.Text``, never a markup string).
 """
 
 from __future__ import annotations
