@@ -37,6 +37,7 @@ from collector.model.errors import InputError, StepmemError
 from collector.model.files import atomic_write
 from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
 from collector.model.step import MAX_BYTES
+from collector.model.untrusted import inert
 from collector.nvml import (
     NvmlGpuLost,
     NvmlNotFound,
@@ -283,6 +284,11 @@ def _check_meta(meta: Any, path: Path) -> None:
         )
     if dev.get("memory_info_version", 2) not in (1, 2):
         raise CaptureError(f"{bad} device.memory_info_version must be 1 or 2")
+    for k in ("uuid", "name", "driver"):  # printed (the sampler's line, the report): inert
+        if k in dev and not isinstance(dev[k], str):
+            raise CaptureError(f"{bad} device.{k} must be a string")
+        if k in dev:
+            dev[k] = inert(dev[k], 256)
     rate = meta.get("rate_hz", 0)
     if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate < 1e7:
         raise CaptureError(f"{bad} rate_hz must be a number of Hz (0: max)")

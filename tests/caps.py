@@ -106,6 +106,8 @@ def hostile(path: Path, case: str) -> Path:
         meta["device"]["memory_info_version"] = "abc"
     elif case == "phase with markup":
         ev["phase"] = "[red]opt[/red][/x]"
+    elif case == "device name with escapes":
+        meta["device"]["name"] = "\x1b]0;PWNED\x07\x1b[2JH200"
     elif case == "process list of junk":
         meta["processes"] = [{"t_ns": 0, "procs": [["x", "y"]]}]
     else:

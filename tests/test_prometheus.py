@@ -272,6 +272,7 @@ class FaultyProxy:
         delay_s: float = 0.0,
         fail_status: int = 503,
         retry_after: str | None = None,
+        answer: bytes = b"overloaded",
     ) -> None:
         import http.server
         import threading
@@ -294,7 +295,7 @@ class FaultyProxy:
                     if retry_after is not None:
                         self.send_header("Retry-After", retry_after)
                     self.end_headers()
-                    self.wfile.write(b"overloaded")
+                    self.wfile.write(answer)
                     return
                 req = urllib.request.Request(
                     upstream + self.path, data=body, headers=dict(self.headers), method="POST"
@@ -326,6 +327,25 @@ def _push_timed(writer, labels, n, t0_ms):
         writer.push("stepmem_step", labels, t0_ms + i, float(i))
         worst = max(worst, time.perf_counter() - t)
     return worst
+
+
+def test_a_receivers_error_body_is_inert_in_the_log_and_the_last_error(caplog):
+    """S9: a 400 whose body sets the window title, clears the screen and conceals text reached
+    the sampler's log and the run's last line; the receiver's words are printed inert."""
+    evil = b"\x1b]0;PWNED\x07\x1b[2J\x1b[8mhidden"
+    proxy = FaultyProxy("http://127.0.0.1:1", fail=1, fail_status=400, answer=evil)
+    writer = RemoteWriter(RemoteWriteConfig(url=f"{proxy.url}/api/v1/write", flush_interval_s=0.05))
+    labels = {"node": "n", "gpu": "0", "gpu_uuid": "GPU-ansi", "run": "t-ansi"}
+    try:
+        with caplog.at_level(logging.WARNING, logger="collector.export.remote_write"):
+            writer.push("stepmem_step", labels, int(time.time() * 1000), 1.0)
+            wait_for(lambda: writer.stats()["dropped"].get("rejected_4xx") == 1, timeout=20)
+    finally:
+        writer.close(timeout=1)
+        proxy.close()
+    assert writer.last_error.startswith("HTTP 400: ") and "hidden" in writer.last_error
+    for text in (writer.last_error, caplog.text):
+        assert not any(c in text for c in "\x1b\x07"), repr(text)
 
 
 def test_5xx_answers_are_retried_and_everything_catches_up(prom, record_fault):

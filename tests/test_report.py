@@ -463,6 +463,23 @@ def test_rich_markup_in_a_phase_name_is_printed_as_text(tmp_path):
     assert "[/bold]oops" in text
 
 
+def test_a_captures_device_name_is_inert_wherever_it_is_printed(tmp_path):
+    """S9: a capture's device name with OSC 0 and a screen clear reached the terminal in
+    `stepmem run`'s sampler line (the stored report stripped it). Read inert, it is inert in
+    what the replay backend calls its devices (that line's name) and in the report."""
+    from collector.analysis.report import render_report
+    from collector.analysis.runs import load_run
+    from collector.replay import Capture, ReplayBackend
+
+    cap = hostile(tmp_path / "ansi.capture.parquet", "device name with escapes")
+    loaded = Capture.load(cap)
+    assert loaded.device["name"] == "]0;PWNED[2JH200"
+    (dev,) = ReplayBackend([cap]).devices()
+    assert not any(c in dev.name for c in "\x1b\x07") and "PWNED" in dev.name
+    text, _ = render_report(load_run(cap))
+    assert "\x1b" not in text
+
+
 # -- files a reader must survive (round 4: S7, S8, C5, C6) ----------------------------------------
 
 FIT_RUN = Path(__file__).resolve().parent.parent / "benchmarks/results/fit/runs/h200-fit-gpt2"

@@ -50,6 +50,7 @@ from collector.metrics import PUSH_JOB, PUSH_SAMPLES_JOB
 from collector.model.errors import InputError
 from collector.model.series import step_values
 from collector.model.step import StepRecord
+from collector.model.untrusted import inert
 
 RETRY_AFTER_MAX_S = 60.0
 # Prometheus' staleness marker: a NaN with this exact bit pattern ends a series
@@ -380,7 +381,7 @@ class RemoteWriter:
             with self._opener.open(req, timeout=self.config.timeout_s) as r:
                 return r.status
         except urllib.error.HTTPError as exc:
-            reason = exc.read(500).decode(errors="replace").strip()
+            reason = inert(exc.read(500).decode(errors="replace").strip())  # the receiver's words
             self.last_error = f"HTTP {exc.code}: {reason}"
             self._retry_after = retry_after_s(exc.headers.get("Retry-After"))
             return exc.code
@@ -401,7 +402,7 @@ class RemoteWriter:
             self._put_back(batch)
             return False
         except Exception as exc:  # not HTTP at the other end (BadStatusLine, LineTooLong, …)
-            self.last_error = f"not an HTTP answer: {type(exc).__name__}: {str(exc)[:120]}"
+            self.last_error = f"not an HTTP answer: {type(exc).__name__}: {inert(str(exc), 120)}"
             self.errors["not_http"] += 1
             self._put_back(batch)
             return False
