@@ -7,9 +7,10 @@ figures here, each process's newest step through the per-step series table
 registry checks the names once, when the collector is registered. A snapshot that fails to
 build is logged and skipped — a collector never breaks a scrape. The HTTP server
 serves prometheus-client's WSGI app (``GET /metrics`` and ``HEAD`` only; nothing accepts
-writes) with bounds of its own: at most :data:`MAX_CONNECTIONS` connections at once (one more
-is closed at once and counted) and :data:`IDLE_TIMEOUT_S` for a client to send its request, so
-idle or slow clients cannot pile up threads.
+writes) with bounds of its own: at most :data:`MAX_CONNECTIONS` connections at once, and
+:data:`IDLE_TIMEOUT_S` for a client to send its request, so idle or slow clients cannot pile up
+threads; a newcomer finding every slot taken takes over the oldest connection whose request is
+not yet in (:class:`BoundedServer`), so slow clients cannot keep a scrape out either.
 
 Scrape cost: a handful of dict lookups per GPU plus one window max/min over the ring (at 1 kHz
 and a 15 s window, 15,000 int64s); see ``benchmarks/export_cost.py``.
@@ -47,6 +48,7 @@ __all__ = ["SamplerCollector", "Snapshot", "serve"]
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16  # concurrent /metrics connections; Prometheus needs one per scrape
+TAKE_OVER_WAIT_S = 1.0  # a newcomer waits this long for the slot of the connection it cut
 IDLE_TIMEOUT_S = 5.0  # a connection that sends nothing this long is closed
 REQUEST_DEADLINE_S = 10.0  # a connection is cut this long after it was accepted, whatever it sent
 
@@ -158,13 +160,23 @@ def _families() -> dict[str, Metric]:
 class _QuietHandler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # socket timeout for every read: an idle client is dropped
 
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:  # its whole request is in: no longer a connection a newcomer may take over
+            self.server.received(self.request)  # type: ignore[attr-defined]
+        return ok
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class BoundedServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most ``max_connections`` at once: one more is closed
-    straight away (``refused``); each connection times out when idle."""
+    """A thread per connection, at most ``max_connections`` at once; each connection times out
+    when idle and is cut at its whole-request deadline. When every slot is taken, a newcomer
+    takes the slot of the oldest connection that has still not sent its whole request (a slow
+    or stalled client: ``taken_over``), so clients that trickle bytes and reconnect cannot keep
+    out a scrape, which sends its request at once; only when every connection is being
+    answered is the newcomer closed (``refused``)."""
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
@@ -178,7 +190,10 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self.refused = 0
         self.failed: Counter[str] = Counter()  # connections that ended in an error, by kind
         self._slots = threading.BoundedSemaphore(self.max_connections)
-        self._open: dict[int, tuple[Any, float]] = {}  # connection -> its deadline
+        self.taken_over = 0
+        # connection -> [the socket, its deadline, its whole request received]; in the order
+        # they were opened (the oldest first)
+        self._open: dict[int, list[Any]] = {}
         self._open_lock = threading.Lock()
         self._done = threading.Event()
         threading.Thread(target=self._watch, name="stepmem-metrics-deadline", daemon=True).start()
@@ -187,8 +202,14 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self._done.set()
         super().shutdown()
 
+    def received(self, request: Any) -> None:
+        with self._open_lock:
+            entry = self._open.get(id(request))
+            if entry is not None:
+                entry[2] = True
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not self._take_over():
             self.refused += 1
             self.shutdown_request(request)
             return
@@ -212,7 +233,7 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         # for IDLE_TIMEOUT_S) still loses its slot, so a few slow clients cannot keep
         # Prometheus out for as long as they like
         with self._open_lock:
-            self._open[id(request)] = (request, time.monotonic() + REQUEST_DEADLINE_S)
+            self._open[id(request)] = [request, time.monotonic() + REQUEST_DEADLINE_S, False]
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -226,16 +247,28 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         while not self._done.wait(min(0.5, REQUEST_DEADLINE_S / 4)):
             now = time.monotonic()
             with self._open_lock:
-                late = [r for r, t in self._open.values() if t <= now]
+                late = [r for r, t, _ in self._open.values() if t <= now]
             for r in late:
                 _cut(r, self)
 
+    def _take_over(self) -> bool:
+        """Cut the oldest connection whose request is not yet in, and wait (briefly: its thread
+        sees the end at its next read) for its slot. False: every connection is being answered."""
+        with self._open_lock:
+            victim = next((r for r, _, got in self._open.values() if not got), None)
+        if victim is None:
+            return False
+        _cut(victim, self, "taken_over")
+        if not self._slots.acquire(timeout=TAKE_OVER_WAIT_S):
+            return False
+        self.taken_over += 1
+        return True
 
-def _cut(request: Any, server: BoundedServer) -> None:
-    """End a connection that outlived its deadline (its handler's next read sees the end)."""
-    import socket
 
-    server.failed["deadline"] += 1
+def _cut(request: Any, server: BoundedServer, why: str = "deadline") -> None:
+    """End a connection that outlived its deadline, or whose slot a newcomer takes (its
+    handler's next read sees the end)."""
+    server.failed[why] += 1
     with contextlib.suppress(OSError):
         request.shutdown(socket.SHUT_RDWR)
 
