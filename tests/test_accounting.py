@@ -480,3 +480,25 @@ def test_a_history_asking_too_many_site_sums_is_refused_in_one_line():
     assert MAX_SITE_READS < 5_000 * 2 * 2_000
     with pytest.raises(HistoryError, match="site sums"):
         step_sites(snap, marks, top=3)
+
+
+def test_an_older_two_rank_capture_gives_no_negative_figure():
+    """Two ranks on one GPU, recorded before each rank's own per-process reading existed: rank
+    0's records carry a reading of the GPU's processes taken before its own pool grew (its
+    figure below its torch reserved), and the probe's reading before training held the other
+    rank's memory, since freed. Neither may become a negative baseline ("CUDA context before
+    training, −1.21 GiB"): such steps are one unsplit figure, never below 0, summing as ever."""
+    recs = [
+        _rec(1, 6 * GIB, [[7, 2 * GIB, "rank0"], [8, 3 * GIB, "rank1"]], 6 * GIB, 3 * GIB),
+        _rec(2, 6 * GIB, [[7, 2 * GIB, "rank0"], [8, 3 * GIB, "rank1"]], 6 * GIB, 3 * GIB),
+    ]
+    for r in recs:
+        r["torch_end"]["context_baseline_bytes"] = 4 * GIB  # read while rank 1 loaded
+    typed_recs = typed(recs)
+    for a in accounts(typed_recs):
+        assert a.unsplit is not None and "below torch's own pool" in a.unsplit_why
+        comp = a.components()
+        assert all(v >= 0 for v in comp.values()), comp
+        assert sum(comp.values()) == a.device_used
+    text = "\n".join(f.text for f in diagnose(typed_recs))
+    assert "−" not in text and "-1" not in text, text

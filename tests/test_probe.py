@@ -3,6 +3,7 @@ and a missing or broken sampler costing training nothing."""
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -337,3 +338,47 @@ def test_two_runs_with_one_run_id_never_share_a_spool_folder():
 
     a, b = spool_dir("nightly"), spool_dir("nightly")
     assert a != b and a.parent == b.parent and a.name.startswith("nightly-")
+
+
+_USER_PEAKS = """
+import torch, torch.cuda.memory as mem
+# the caching allocator's peak statistics, as torch keeps them (CI has no GPU)
+state = {"current": 0, "peak": 0}
+def nested(device=None):
+    return {"allocated_bytes": {"all": {"current": state["current"], "peak": state["peak"]}}}
+def reset(device=None):
+    state["peak"] = state["current"]
+def alloc(n):
+    state["current"] += n
+    state["peak"] = max(state["peak"], state["current"])
+mem.memory_stats_as_nested_dict = torch.cuda.memory_stats_as_nested_dict = nested
+mem.reset_peak_memory_stats = torch.cuda.reset_peak_memory_stats = reset
+from collector.probe.peaks import user_peaks
+keeper = user_peaks()
+seen = []
+torch.cuda.reset_peak_memory_stats()          # the user's own reset, before the loop
+for step in range(3):
+    alloc(100); alloc(-100)                    # a transient of 100 in the step
+    n = keeper.real_stats(None); keeper.carry(None, n); keeper.real_reset(None)  # the probe's mark
+    alloc(10)                                  # what the step keeps
+    seen.append(torch.cuda.max_memory_allocated())
+probe_view = keeper.real_stats(None)["allocated_bytes"]["all"]["peak"]
+torch.cuda.reset_peak_memory_stats()          # the user's reset clears the carried peak too
+print(seen, probe_view, torch.cuda.max_memory_allocated())
+"""
+
+
+def test_the_probes_resets_leave_the_users_own_peak_counters_alone():
+    """F6: adding the probe reset torch's peaks at every mark, so a loop printing its own
+    max_memory_allocated() saw the end-of-step value (4.43 GiB for a 9.07 GiB peak). The probe
+    keeps what it reset away: the user's view is the peak since the user's own reset, while the
+    probe reads torch's (since its last mark)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _USER_PEAKS], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).parent.parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    # the user's peak: 100, then 110 (10 kept + the 100 transient), 120; the probe's: since
+    # its last mark only (30 now held); after the user's own reset: what is held now
+    assert out.stdout.split() == ["[100,", "110,", "120]", "30", "30"], out.stdout

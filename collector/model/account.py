@@ -179,7 +179,16 @@ def account(
     snap_used = reading.device_used if reading is not None else None
     mine = reading.of(pid) if reading is not None else None
     moved = abs(used - snap_used) if snap_used is not None else None
-    if mine and moved is not None and moved <= TRUSTED_REMAINDER and baseline is not None:
+    # a per-process figure below torch's own pool does not describe this moment (an older
+    # capture's reading of the GPU's processes, taken apart from the ranks' own): unsplit
+    below = mine is not None and mine.used_bytes is not None and mine.used_bytes < held
+    if (
+        mine
+        and not below
+        and moved is not None
+        and moved <= TRUSTED_REMAINDER
+        and baseline is not None
+    ):
         a.baseline = baseline
         a.before = before
         a.outside = (mine.used_bytes or 0) - held - baseline
@@ -190,8 +199,13 @@ def account(
             a.read_after_ms = (reading.t_ns - r.end_ns) / 1e6
     else:
         a.baseline = before or 0
+        if a.outside_all < 0:  # the probe's reading before training held more than is outside
+            # torch now (another rank's memory, since freed): it is all the baseline there is
+            a.baseline, a.outside_all = used - held, 0
         a.unsplit = a.outside_all
-        if moved is not None and moved > TRUSTED_REMAINDER:
+        if below:
+            a.unsplit_why = "NVML's figure for this process is below torch's own pool"
+        elif moved is not None and moved > TRUSTED_REMAINDER:
             a.unsplit_why = (
                 f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
             )
@@ -207,7 +221,8 @@ def outside_share(procs: list[ProcessMemory], pid: int | None, reserved: int) ->
     its smallest over the steps is the baseline."""
     for p in procs:
         if pid is not None and p.pid == pid and p.used_bytes is not None:
-            return p.used_bytes - reserved
+            # below torch's own pool: not a reading of this moment (see :func:`account`)
+            return p.used_bytes - reserved if p.used_bytes >= reserved else None
     return None
 
 

@@ -298,10 +298,12 @@ class StepRecord:
         """NVML used − torch reserved − the probe's baseline at the step's end (None without
         either reading). NVML v2 ``used`` equals CUDA's ``total − free`` (both leave out
         driver-reserved memory; measured equal on the H200), so the baseline the probe took with
-        ``mem_get_info`` before training subtracts on the same footing."""
+        ``mem_get_info`` before training subtracts on the same footing. Never below 0: a
+        baseline larger than all that is outside torch now (read while another rank held memory
+        it has since freed) leaves nothing beyond it."""
         if self.reserved_end is None or self.nvml_end is None:
             return None
-        return self.nvml_end - self.reserved_end - (self.context_baseline or 0)
+        return max(0, self.nvml_end - self.reserved_end - (self.context_baseline or 0))
 
     def ledger_of(self, kind: str) -> int:
         """Bytes of a :class:`MemoryKind` (or a ledger figure) at the step's end; 0 unknown."""

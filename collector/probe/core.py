@@ -6,11 +6,11 @@ optimizer step and ``zero_grad``) as one step.
 
 At each mark, for every CUDA device the process uses, the probe reads
 ``torch.cuda.memory_stats(d)`` (the keys in :data:`TORCH_KEYS`) and ``torch.cuda.mem_get_info(d)``,
-then calls ``torch.cuda.reset_peak_memory_stats(d)`` so the next interval has its own peaks.
-**Conflict:** that reset is process-wide per device; anything else in the process that reads
-``max_memory_allocated()`` (a framework's own logging, say) sees peaks since the probe's last mark,
-not since its own reset. Pass ``reset_peaks=False`` to leave the counters alone (the probe's
-peaks are then since the last reset by anyone).
+then resets torch's peak statistics so the next interval has its own peaks. That reset is
+process-wide per device, so the probe keeps what it took (:mod:`collector.probe.peaks`): the
+user's own ``max_memory_allocated()``, ``memory_stats()`` and ``memory_summary()`` still show the
+peak since the user's own reset, as without the probe. ``reset_peaks=False`` leaves torch's
+counters untouched (the probe's peaks are then since the last reset by anyone).
 
 At ``end`` it also takes a ledger per device (bytes): ``parameters``, ``gradients``,
 ``optimizer_state`` (optimizer state tensors on that device), ``optimizer_state_managed``
@@ -45,6 +45,7 @@ from collector.model.series import SERIES
 from collector.model.units import GIB
 from collector.probe.ledger import LedgerCache, UnshardWatch
 from collector.probe.outbox import Outbox, RaySamplers
+from collector.probe.peaks import user_peaks
 from collector.probe.recording import HISTORY_STEPS, AllocationHistory
 
 __all__ = ["TORCH_KEYS", "StepProbe", "cuda_uuid"]
@@ -156,10 +157,14 @@ def cpu_stands_in_for() -> str | None:
     return uuids[(rank if local is None else local) % len(uuids)].strip()
 
 
-def _dig(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
+def _dig(nested: dict[str, Any], path: tuple[str, ...], missing: Any = None) -> Any:
+    """The value at ``path`` of torch's nested statistics (``missing``: a key this torch lacks)."""
+    node: Any = nested
     for part in path:
-        nested = nested[part]
-    return nested
+        if not isinstance(node, dict) or part not in node:
+            return missing
+        node = node[part]
+    return node
 
 
 def cuda_uuid(device: int) -> str:
@@ -341,18 +346,20 @@ class StepProbe:
         import torch
 
         try:
-            # The nested form skips memory_stats()'s flattening of ~100 keys in Python (most of
-            # its ≈150 µs).
-            nested = torch.cuda.memory_stats_as_nested_dict(d)
-            try:
-                out = {k: int(_dig(nested, path)) for k, path in _PATHS}
-            except (KeyError, TypeError):
-                flat = torch.cuda.memory_stats(d)
-                out = {k: int(flat.get(k, 0)) for k in TORCH_KEYS}
+            # torch's own figures (the user's view carries the peaks the probe's resets took:
+            # collector.probe.peaks); the nested form skips memory_stats()'s flattening of ~100
+            # keys in Python (most of its ≈150 µs)
+            keeper = user_peaks() if self.reset_peaks else None
+            read = keeper.real_stats if keeper else torch.cuda.memory_stats_as_nested_dict
+            nested = read(d)
+            out = {k: int(_dig(nested, path, 0)) for k, path in _PATHS}
             free, total = torch.cuda.mem_get_info(d)
             out[Stat.MEM_FREE], out[Stat.MEM_TOTAL] = int(free), int(total)
             out[Stat.CONTEXT_BASELINE] = self._baseline.get(d, 0)
-            if self.reset_peaks:
+            if keeper is not None:
+                keeper.carry(d, nested)  # the user's max_memory_allocated() keeps its peak
+                keeper.real_reset(d)
+            elif self.reset_peaks:
                 torch.cuda.reset_peak_memory_stats(d)
             return out
         except Exception as exc:  # a reading error must never fail training
