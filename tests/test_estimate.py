@@ -300,7 +300,7 @@ def test_reconciliation_of_the_seed_runs(optim, managed_gib):
     est = load_estimate(RESULTS / f"cpu-7b-{optim}.estimate.json")
     run = load_run(CAPTURES / f"{optim}.capture.parquet")
     recs = run.by_gpu[run.gpus[0]]
-    rows, named = reconcile(est, recs)
+    rows, named, _ = reconcile(est, recs)
     by = {r.component: r for r in rows}
     for name in ("parameters", "optimizer state (device)", "optimizer state (managed)"):
         r = by[name]
@@ -329,7 +329,7 @@ def test_reconciliation_of_the_seed_runs(optim, managed_gib):
         # the unpaged estimate against the paged run: a measured +0.19 GiB is not explained by
         # the 13.48 GiB of device state the estimate expected (it was, word for word)
         other = load_estimate(RESULTS / "cpu-7b-adamw_8bit.estimate.json")
-        _, named = reconcile(other, recs)
+        _, named, _ = reconcile(other, recs)
         (jump,) = [x for x in named if x.startswith("Step 1 → step 2")]
         assert "measured, +13.48 GiB predicted: the estimate expects optimizer state" in jump
         assert "GiB less (state kept off torch's allocator" in jump, jump
@@ -461,7 +461,7 @@ def test_the_fsdp2_estimate_equals_the_h200_ledger_and_torchs_tracker_to_the_byt
     assert tracked["current"]["cpu"]["OptState"] == 804
     assert est.at_end["optimizer_state"] == cur["OptState"]
     run = load_run(ROOT / "benchmarks/results/h200-distributed/runs/h200-1b-fsdp2")
-    rows, named = reconcile(est, run.by_gpu[run.gpus[0]])
+    rows, named, _ = reconcile(est, run.by_gpu[run.gpus[0]])
     by = {r.component: r for r in rows}
     for name in (
         "parameters",
@@ -493,7 +493,7 @@ def test_the_estimates_made_on_the_h200_match_its_runs(name, source, within):
     assert not est.stand_in and est.device == "cuda:0"
     assert est.device_allocated is not None and est.device_allocated < 1 << 20
     run = load_run(source)
-    rows, _ = reconcile(est, run.by_gpu[run.gpus[0]])
+    rows, _, _ = reconcile(est, run.by_gpu[run.gpus[0]])
     by = {r.component: r for r in rows}
     for row in ("step 1 allocated peak", "step 2 allocated peak"):
         r = by[row]

@@ -347,18 +347,19 @@ def test_a_bad_card_in_an_estimate_file_is_refused(tmp_path):
 
 
 def test_an_estimate_of_another_model_is_named_first_and_no_kernel_is_blamed(tmp_path):
-    """N3: a tiny model's estimate against the 7B run leads with what was estimated, blames no
-    CPU kernel for the difference, and keeps its columns apart."""
+    """N3, F8: a tiny model's estimate against the 7B run says what was estimated before the
+    table, blames no CPU kernel for the difference, keeps its columns apart and gives a ratio
+    past ten times as one (``18×``, not ``+2e+01x``)."""
     out = tmp_path / "tiny.json"
     assert _cli("estimate", "--size", "tiny", "--out", str(out), timeout=300).returncode == 0
     r = _cli("report", str(FIT / "runs/h200-fit-7b-adamw_8bit"), "--estimate", str(out))
     assert r.returncode == 0, r.stderr
-    tail = r.stdout[r.stdout.index("Predicted vs measured") :]
-    named = [x for x in tail.splitlines() if x.startswith(" • ")]
-    assert named[0].startswith(" • This estimate is of tiny, adamw_torch"), named
+    tail = r.stdout[r.stdout.index("Predicted vs measured") :].splitlines()
+    # F8: said before the table, not after it
+    assert tail[1].startswith(" ⚠ This estimate is of tiny, adamw_torch"), tail[:3]
     assert "standing in for CUDA" not in r.stdout and "more than modelled" not in r.stdout
-    row = next(x for x in tail.splitlines() if x.strip().startswith("parameters"))
-    assert re.search(r"\+25\.10\s+\S+x$", row), row  # the difference and the ratio apart
+    row = next(x for x in tail if x.strip().startswith("parameters"))
+    assert re.search(r"\+25\.10\s+\d+×$", row), row  # the difference and a readable ratio
 
 
 def test_the_headline_names_step_1_when_its_peak_is_the_largest():

@@ -249,7 +249,9 @@ def test_a_replay_too_fast_to_sample_says_so_and_never_reports_zero(tmp_path, re
     out = tmp_path / "r.json"
     args = ["run", "--speed", "1e9", "--steps", "500", "--out", str(out)]
     res = stepmem(*args, "--store", str(tmp_path / "runs"), "--run-id", "fast")
-    assert res.returncode == 0, res.stderr
+    # F11: a run that measured nothing on the GPU does not exit as if it had
+    assert res.returncode == 3, res.stderr
+    assert "nothing was measured on the GPU" in res.stderr
     assert "--steps 500, but the capture(s) hold 5 steps (adamw_8bit)" in res.stdout
     assert "have no NVML samples" in res.stdout
     # no NVML figure is made up: no peak, no headroom, no (negative) memory outside torch
@@ -258,15 +260,16 @@ def test_a_replay_too_fast_to_sample_says_so_and_never_reports_zero(tmp_path, re
     assert not re.search(r"-\d+(\.\d+)? GiB", res.stdout)  # no negative figure anywhere
     doc = json.loads(out.read_text())
     unmeasured = [r for r in doc["records"] if r["nvml_peak_bytes"] is None]
-    assert unmeasured and all(r["gap"] == "no_samples" for r in unmeasured)
+    assert len(unmeasured) == len(doc["records"]) > 0
+    assert all(r["gap"] == "no_samples" for r in unmeasured)
     rep = stepmem("report", str(tmp_path / "runs" / "fast"))
     assert rep.returncode == 0 and "have no NVML samples" in rep.stdout
     cmp = stepmem("compare", str(RECORDS), str(out))
     assert cmp.returncode == 1 and "Cannot compare" in cmp.stdout
     record_fault(
         "replay at --speed 1e9 (steps far shorter than the sampling period)",
-        "steps shown as '—' and named (no_samples), no 0.00 GiB figure; compare against it "
-        "exits 1 'Cannot compare'",
+        "steps shown as '—' and named (no_samples), no 0.00 GiB figure; the run exits 3, "
+        "'nothing was measured on the GPU'; compare against it exits 1 'Cannot compare'",
         steps_without_samples=len(unmeasured),
         steps=len(doc["records"]),
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 from collector.analysis.diagnosis import Finding, FindingKind, diagnose, verdict
 from collector.analysis.diagnosis.fleet import Ranked, imbalance
-from collector.analysis.predicted_vs_measured import Row, reconcile
+from collector.analysis.predicted_vs_measured import Reconciliation, reconcile
 from collector.analysis.runs import Run, Stream
 from collector.model.prediction import Estimate
 from collector.model.step import StepRecord
@@ -54,8 +54,7 @@ class Reconciled:
     gpu_uuid: str
     pid: int
     several: bool  # ranks share the GPU
-    rows: list[Row]
-    named: list[str]
+    held: Reconciliation
 
 
 @dataclass(frozen=True)
@@ -109,9 +108,8 @@ def _reconciled(run: Run, est: Estimate) -> list[Reconciled]:
     for uuid in run.gpus:
         streams = run.streams_of(uuid)
         main = max(streams, key=lambda s: len(s.records))
-        rows, named = reconcile(est, main.records)
         several = len([s for s in streams if s.records]) > 1
-        out.append(Reconciled(uuid, main.pid, several, rows, named))
+        out.append(Reconciled(uuid, main.pid, several, reconcile(est, main.records)))
     return out
 
 

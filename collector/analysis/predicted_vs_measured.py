@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from collector.analysis.accounting import accounts
 from collector.model.account import Account
@@ -15,7 +16,7 @@ from collector.model.prediction import Estimate, StepFigures
 from collector.model.step import StepRecord
 from collector.model.units import GIB, gib_figure
 
-__all__ = ["Row", "reconcile", "render_reconciliation"]
+__all__ = ["Reconciliation", "Row", "reconcile", "render_reconciliation"]
 
 OFF_SHARE = 0.05  # a predicted figure this far from the measured one is named
 NVML_OFF = 0.03  # NVML's peak this far from the prediction is explained
@@ -326,21 +327,32 @@ def _mismatches(rows: list[Row]) -> list[str]:
     return out
 
 
-def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], list[str]]:
+class Reconciliation(NamedTuple):
+    """Predicted against measured: the table's rows, the differences named, and — when the
+    run's stored figures say it is another model or optimizer than the one estimated — that,
+    in one line the table is read after ("": the same training)."""
+
+    rows: list[Row]
+    named: list[str]
+    mismatch: str = ""
+
+
+def reconcile(est: Estimate, records: Sequence[StepRecord]) -> Reconciliation:
     """Predicted against measured for one process's records on one GPU: rows of the table and
     the differences named with the measurement that explains them."""
     recs = [r for r in records if not r.failed and r.has_torch]
     if not recs:
-        return [], ["no measured step with allocator figures: nothing to reconcile"]
+        return Reconciliation([], ["no measured step with allocator figures: nothing to reconcile"])
     first, steady = recs[0], (recs[1] if len(recs) > 1 else recs[0])
     rows = _stored(est, first, steady)
     named: list[str] = []
     other = _mismatches(rows)
-    if other:  # another model or optimizer: say that first, and blame no kernel for it
-        named.append(
-            f"This estimate is of {_what(est)}; the run's parameters or optimizer state do "
-            "not match it, so the differences below are between two different trainings"
-        )
+    mismatch = (  # another model or optimizer: said first, and no kernel blamed for it
+        f"This estimate is of {_what(est)}; the run's parameters or optimizer state do "
+        "not match it, so the differences below are between two different trainings"
+        if other
+        else ""
+    )
     rest, off = _rest(est, steady)
     rows += [rest] if rest is not None else []
     named += [off] if off and not other else []
@@ -359,20 +371,30 @@ def reconcile(est: Estimate, records: Sequence[StepRecord]) -> tuple[list[Row], 
         nvml, why = _nvml(est, steady, acc)
         rows.append(nvml)
         named += [why] if why and not other else []
-    return rows, named + other
+    return Reconciliation(rows, named + other, mismatch)
 
 
-def render_reconciliation(est: Estimate, rows: list[Row], named: list[str]) -> str:
+def _ratio(d: int | None, predicted: int | None) -> str:
+    """The difference as a share of the prediction (``+4.2%``), or past ten times it as the
+    ratio measured to predicted (``18×``)."""
+    if d is None or not predicted:
+        return ""
+    share = d / predicted
+    return f"{share:+.1%}" if abs(share) < 10 else f"{1 + share:.0f}×"
+
+
+def render_reconciliation(est: Estimate, held: Reconciliation) -> str:
+    rows, named = held.rows, held.named
     lines = [
         f"Predicted vs measured (GiB; estimate of {est.subject}, {est.spec.get('optim')})",
+        *([f" ⚠ {held.mismatch}."] if held.mismatch else []),
         f"  {'component':<58}{'predicted':>10}{'measured':>10}{'diff':>9}{'':>9}",
     ]
     for r in rows:
         p = "—" if r.predicted is None else gib_figure(r.predicted)
         m = "—" if r.measured is None else gib_figure(r.measured)
         d = r.difference
-        share = d / r.predicted if d is not None and r.predicted else None
-        pct = "" if share is None else f"{share:+.1%}" if abs(share) < 10 else f"{share:+.0e}x"
+        pct = _ratio(d, r.predicted)
         lines.append(
             f"  {r.component:<58}{p:>10}{m:>10}{'' if d is None else f'{d / GIB:+.2f}':>9}{pct:>9}"
         )

@@ -214,7 +214,7 @@ def _reconciliation(d: RunDiagnosis) -> str:
     parts = []
     for r in d.reconciled:
         head = f"GPU {r.gpu_uuid}" + (f", process {r.pid}" if r.several else "")
-        parts.append(f"{head}\n{render_reconciliation(d.estimate, r.rows, r.named)}")
+        parts.append(f"{head}\n{render_reconciliation(d.estimate, r.held)}")
     return "\n\n".join(parts)
 
 

@@ -15,6 +15,7 @@ from collector import args
 from collector.cli.files import check_metrics_addr, check_store, writable_file, write_output
 from collector.model.errors import EstimateError, UserError
 from collector.model.files import atomic_write
+from collector.model.kinds import Gap
 from collector.model.settings import JobOptions
 from collector.model.units import GIB, gib
 
@@ -118,6 +119,14 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if result.status == "incomplete":
         print(
             "stepmem: the run ended but its record is incomplete: " + "; ".join(result.problems),
+            file=sys.stderr,
+        )
+        return EXIT_INCOMPLETE
+    gpu = [r for r in result.records if not r.has_gap(Gap.STAND_IN)]  # CPU stand-ins: no NVML
+    if gpu and not any(r.measured for r in gpu):
+        print(
+            f"stepmem: none of the run's {len(gpu)} step(s) has an NVML sample, so nothing was "
+            "measured on the GPU (steps shorter than the sampling period, or a starved sampler)",
             file=sys.stderr,
         )
         return EXIT_INCOMPLETE
@@ -276,8 +285,8 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         first = outcome.search.first
         print(
             f"{prog}: not even {req.search.replace('_', ' ')} {first.value} fits "
-            f"{req.target.card.name}: it needs {gib(first.need)} GiB of "
-            f"{gib(req.target.usable)}",
+            f"{req.target.card.name}: it needs {gib(first.need)} of the "
+            f"{gib(req.target.usable)} torch may reserve",
             file=sys.stderr,
         )
         return 3

@@ -62,7 +62,7 @@ def largest(
             traced[v] = e
             say(
                 f"{axis.replace('_', ' ')} {v}: needs {gib(_need(e))} of "
-                f"{gib(target.usable)} GiB — {'fits' if _fits(e) else 'does not fit'}"
+                f"{gib(target.usable)} — {'fits' if _fits(e) else 'does not fit'}"
             )
         return traced[v]
 
