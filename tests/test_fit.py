@@ -382,3 +382,14 @@ def test_consumer_cards_are_known_and_a_size_with_its_unit_is_a_size():
     assert card("rtx 3090").capacity == 24576 * (1 << 20)
     assert card("NVIDIA RTX A6000").name == "NVIDIA RTX A6000"
     assert card("600GiB").capacity == 600 * (1 << 30) and card("24").capacity == 24 << 30
+
+
+def test_a_search_where_nothing_fits_says_so_in_one_line_with_one_unit(record_fault):
+    """Exit 3 and one line (with its progress lines before it): 'it needs 0.04 GiB of the 0.00
+    GiB torch may reserve', not '0.04 GiB GiB of 0.00 GiB'."""
+    r = _cli("estimate", "--size", "tiny", "--gpu", "1", "--max-batch", timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr
+    said = [x for x in r.stderr.splitlines() if not x.startswith("… ")]
+    assert len(said) == 1 and "not even batch 1 fits" in said[0], r.stderr
+    assert "GiB GiB" not in r.stderr and "torch may reserve" in said[0]
+    record_fault("stepmem estimate --size tiny --gpu 1 --max-batch (nothing fits)", said[0][:160])
