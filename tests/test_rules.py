@@ -5,8 +5,8 @@ rule names only metrics of the metric table.
 The promtool test file ``deploy/prometheus/rules-tests.yml`` is generated from :data:`CASES`
 (expected annotations are the rule's templates filled with the alert's labels) and committed, so
 ``promtool test rules deploy/prometheus/rules-tests.yml`` works without Python (beside the
-rules, not among them: ``promtool check rules rules/*.yml`` checks every rule file); a test keeps the
-committed file equal to the generated one.
+rules, not among them: ``promtool check rules rules/*.yml`` checks every rule file); a test
+keeps the committed file equal to the generated one.
 """
 
 from __future__ import annotations
