@@ -273,6 +273,7 @@ LIBRARY = (  # what must never depend on the example workloads (the job runs the
     "collector.actor",
     "collector.nvml",
     "collector.replay",
+    "collector.capture_meta",
     "collector.store",
     "collector.metrics",
 )

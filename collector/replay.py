@@ -33,11 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from collector.model.errors import InputError, StepmemError
+from collector.capture_meta import CaptureError, check_events, check_meta
+from collector.model.errors import InputError
 from collector.model.files import atomic_write
-from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory, StepEvent
-from collector.model.step import MAX_BYTES
-from collector.model.untrusted import inert
+from collector.model.records import DeviceInfo, MemoryInfo, ProcessMemory
 from collector.nvml import (
     NvmlGpuLost,
     NvmlNotFound,
@@ -66,7 +65,6 @@ _FAULTS = {
 PARQUET = {"compression": "zstd", "compression_level": 9, "use_dictionary": False}  # samples
 FORMAT = 1
 MAX_ROWS = 10_000_000  # samples a replayed capture may hold (24 bytes each, per simulated GPU)
-MAX_EVENT_AFTER_NS = 600 * 1_000_000_000  # events may trail the last sample by this much
 CAPTURE_DIR = Path(__file__).resolve().parent.parent / "captures"
 _NAMESPACE = uuidlib.UUID("5f0c3b8e-2f61-4a57-9a7e-7d0d3e2f9a11")
 
@@ -76,10 +74,6 @@ class ReplayHeld(NvmlUnavailable):
     read yet, which is no error of the device's; the sampler skips it without counting."""
 
     kind = "held"
-
-
-class CaptureError(StepmemError, ValueError):
-    """A capture file that is missing, unreadable or not a stepmem capture."""
 
 
 @dataclass
@@ -167,7 +161,7 @@ class Capture:
             meta = json.loads(raw)
         except (ValueError, RecursionError):
             raise CaptureError(f"capture {path} has corrupt metadata") from None
-        _check_meta(meta, path)
+        check_meta(meta, path)
         if meta.get("format") != FORMAT:
             raise CaptureError(
                 f"capture {path} has format {meta.get('format')!r}; "
@@ -211,7 +205,7 @@ class Capture:
                     f"capture {path}: {name} holds values outside 0..{total} bytes (the card's "
                     f"total): {int(v.min())}..{int(v.max())}"
                 )
-        _check_events(meta.get("events", []), int(t[-1]), path)
+        check_events(meta.get("events", []), int(t[-1]), path)
         dev = meta["device"]
         return cls(
             t_ns=t,
@@ -228,28 +222,6 @@ class Capture:
         )
 
 
-def _check_events(events: list[dict[str, Any]], duration: int, path: Path) -> None:
-    """Refuse an event far past the samples' end, and a step whose end comes before its begin
-    (an edited capture, a probe on a skewed clock): played, it would be dropped without a word.
-    Steps are paired per process by their ``seq`` (or, before captures had one, by their order
-    in the file)."""
-    begun: dict[tuple[Any, ...], int] = {}
-    for i, ev in enumerate(events):
-        if ev["t_ns"] > duration + MAX_EVENT_AFTER_NS:
-            raise CaptureError(
-                f"capture {path}: events[{i}] is at {ev['t_ns'] / 1e9:.0f} s, far past the "
-                f"samples' end ({duration / 1e9:.1f} s)"
-            )
-        key = (ev.get("pid", 0), ev.get("seq") or 0, ev["step"])
-        if ev["kind"] == "begin":
-            begun[key] = int(ev["t_ns"])
-        elif ev["kind"] == "end" and key in begun and int(ev["t_ns"]) < begun.pop(key):
-            raise CaptureError(
-                f"capture {path}: events[{i}], the end of step {ev['step']}, comes before its "
-                "begin (an edited capture, or a clock that went back)"
-            )
-
-
 @functools.lru_cache(maxsize=8)
 def _load_cached(path: str, size: int, mtime_ns: int) -> Capture:
     """One read of an unchanged capture file per process (the job checks, places and plays
@@ -259,79 +231,6 @@ def _load_cached(path: str, size: int, mtime_ns: int) -> Capture:
 
 def _info_version(v: Any) -> int:
     return int(v) if v in (1, 2) else 2
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_meta(meta: Any, path: Path) -> None:
-    """Raise :class:`CaptureError` naming the first field of a capture's metadata that is not
-    what a replay reads (captures are files anyone can edit)."""
-    from collector.model.records import STEP_EVENT_KINDS
-
-    bad = f"capture {path} has bad metadata:"
-    if not isinstance(meta, dict):
-        raise CaptureError(f"{bad} a JSON object was expected, got {type(meta).__name__}")
-    dev = meta.get("device")
-    if not isinstance(dev, dict):
-        raise CaptureError(f"{bad} 'device' must be an object, got {type(dev).__name__}")
-    if not isinstance(dev.get("uuid"), str) or not dev["uuid"]:
-        raise CaptureError(f"{bad} device.uuid must be a non-empty string")
-    if not _is_int(dev.get("total_bytes")) or not 0 < dev["total_bytes"] <= MAX_BYTES:
-        raise CaptureError(
-            f"{bad} device.total_bytes must be a positive integer of at most 2^53 (8 PiB)"
-        )
-    if dev.get("memory_info_version", 2) not in (1, 2):
-        raise CaptureError(f"{bad} device.memory_info_version must be 1 or 2")
-    for k in ("uuid", "name", "driver"):  # printed (the sampler's line, the report): inert
-        if k in dev and not isinstance(dev[k], str):
-            raise CaptureError(f"{bad} device.{k} must be a string")
-        if k in dev:
-            dev[k] = inert(dev[k], 256)
-    rate = meta.get("rate_hz", 0)
-    if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 <= rate < 1e7:
-        raise CaptureError(f"{bad} rate_hz must be a number of Hz (0: max)")
-    for key, kind in (("events", list), ("processes", list), ("notes", dict)):
-        if not isinstance(meta.get(key, kind()), kind):
-            raise CaptureError(f"{bad} '{key}' must be a {'list' if kind is list else 'mapping'}")
-    for i, ev in enumerate(meta.get("events", [])):
-        where = f"{bad} events[{i}]"
-        if not isinstance(ev, dict):
-            raise CaptureError(f"{where} is not an object")
-        if ev.get("kind") not in STEP_EVENT_KINDS:
-            raise CaptureError(f"{where}.kind {ev.get('kind')!r} is not one of {STEP_EVENT_KINDS}")
-        for k in ("step", "t_ns"):
-            if not _is_int(ev.get(k)) or ev[k] < 0:
-                raise CaptureError(f"{where}.{k} is missing or not a non-negative integer")
-        for k in ("torch", "ledger"):
-            if not isinstance(ev.get(k, {}), dict):
-                raise CaptureError(f"{where}.{k} must be a mapping")
-        try:  # every field as a sampler will check it: a bad value fails here, not mid-run
-            StepEvent.from_dict({"gpu_uuid": dev["uuid"], **ev, "t_ns": ev["t_ns"] + 1})
-        except (ValueError, TypeError) as exc:
-            raise CaptureError(f"{where}: {exc}") from None
-    for i, snap in enumerate(meta.get("processes", [])):
-        if not (
-            isinstance(snap, dict)
-            and _is_int(snap.get("t_ns"))
-            and snap["t_ns"] >= 0
-            and isinstance(snap.get("procs"), list)
-        ):
-            raise CaptureError(f"{bad} processes[{i}] must have an integer t_ns and a procs list")
-        for p in snap["procs"]:
-            if not (
-                isinstance(p, list)
-                and len(p) >= 2
-                and _is_int(p[0])
-                and p[0] >= 0
-                and (p[1] is None or (_is_int(p[1]) and 0 <= p[1] <= dev["total_bytes"]))
-                and (len(p) < 3 or isinstance(p[2], str))
-            ):
-                raise CaptureError(
-                    f"{bad} processes[{i}].procs holds {str(p)[:60]!r}: each must be "
-                    "[pid, used bytes or null, name]"
-                )
 
 
 def builtin_captures() -> dict[str, Path]:

@@ -294,7 +294,7 @@ def test_the_report_lists_allocation_sites_of_a_store_with_history(tmp_path):
 
 
 def test_the_probe_reads_the_allocator_mode_from_the_environment(monkeypatch):
-    from collector.probe.core import allocator_mode as mode
+    from collector.probe.identity import allocator_mode as mode
 
     monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")

@@ -281,7 +281,7 @@ def test_a_gpu_without_a_step_is_no_phantom_rank():
 def test_spawned_ranks_without_local_rank_stand_in_for_one_gpu_each(monkeypatch):
     """torch.multiprocessing.spawn sets no LOCAL_RANK: a CPU rank stands in for the GPU of its
     rank, as a torchrun rank does (both landed on GPU 0)."""
-    from collector.probe.core import CPU_AS_ENV, cpu_stands_in_for
+    from collector.probe.identity import CPU_AS_ENV, cpu_stands_in_for
 
     monkeypatch.setenv(CPU_AS_ENV, "GPU-a,GPU-b")
     monkeypatch.delenv("LOCAL_RANK", raising=False)

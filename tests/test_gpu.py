@@ -27,7 +27,7 @@ def test_live_device_is_opened_by_uuid_and_reads_v2():
 
 def test_cuda_and_nvml_agree_on_the_uuid():
     torch = pytest.importorskip("torch")
-    from collector.probe.core import cuda_uuid
+    from collector.probe.identity import cuda_uuid
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")

@@ -34,20 +34,22 @@ def bounded_build(what: str) -> Iterator[None]:
     :class:`EstimateError` (one line naming ``what``) once either passes its bound."""
     import torch.nn.modules.module as mm
 
-    count = {"modules": 0, "parameters": 0}
+    modules = numel = 0
 
     def on_module(module: object, name: str, sub: object) -> None:
-        count["modules"] += 1
-        if count["modules"] > MAX_MODULES:
+        nonlocal modules
+        modules += 1
+        if modules > MAX_MODULES:
             raise EstimateError(
                 f"{what}: its model has more than {MAX_MODULES:,} modules; at most that many "
                 "are traced (a config's layer or expert counts make them)"
             )
 
     def on_parameter(module: object, name: str, param: Any) -> None:
+        nonlocal numel
         if param is not None:
-            count["parameters"] += param.numel()
-        if count["parameters"] > MAX_PARAMETERS:
+            numel += param.numel()
+        if numel > MAX_PARAMETERS:
             raise EstimateError(
                 f"{what}: its model has more than {MAX_PARAMETERS:.0e} parameters; at most that "
                 "many are traced"

@@ -4,7 +4,7 @@ Wire format (Prometheus remote-write 1.0): a protobuf ``WriteRequest`` compresse
 **block** format (``cramjam.snappy.compress_raw``; the *framed* format, which some snappy APIs
 produce by default, is rejected by Prometheus), POSTed with ``Content-Encoding: snappy``,
 ``Content-Type: application/x-protobuf`` and ``X-Prometheus-Remote-Write-Version: 0.1.0``. The
-message has three tiny types, so it is encoded here by hand (:func:`encode_write_request`) rather
+message has three tiny types, so it is encoded here by hand (:mod:`collector.export.wire`) rather
 than through generated protobuf code and a ``protoc`` step.
 
 Behaviour: :meth:`RemoteWriter.push_step` only appends to a bounded buffer (oldest samples are
@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import ssl
-import struct
 import threading
 import time
 import urllib.error
@@ -46,6 +45,7 @@ from typing import Any
 
 import cramjam
 
+from collector.export.wire import Series, encode_write_request
 from collector.metrics import PUSH_JOB, PUSH_SAMPLES_JOB
 from collector.model.errors import InputError
 from collector.model.series import step_values
@@ -53,8 +53,6 @@ from collector.model.step import StepRecord
 from collector.model.untrusted import inert
 
 RETRY_AFTER_MAX_S = 60.0
-# Prometheus' staleness marker: a NaN with this exact bit pattern ends a series
-STALE_NAN_BITS = 0x7FF0000000000002
 
 
 def _user_agent() -> str:
@@ -112,8 +110,6 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 log = logging.getLogger(__name__)
-
-Series = tuple[tuple[str, str], ...]  # sorted (label, value) pairs, __name__ included
 
 
 @dataclass
@@ -201,43 +197,6 @@ class RemoteWriteConfig:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
         return ctx
-
-
-# -- protobuf by hand ------------------------------------------------------------------------
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    n &= (1 << 64) - 1  # int64 two's complement, as protobuf encodes negative int64
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field_bytes(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def encode_write_request(series: dict[Series, list[tuple[int, float]]]) -> bytes:
-    """``WriteRequest{timeseries: [TimeSeries{labels: [Label{name, value}],
-    samples: [Sample{value: double, timestamp: int64 ms}]}]}`` as protobuf bytes."""
-    out = bytearray()
-    for labels, samples in series.items():
-        ts = bytearray()
-        for name, value in labels:
-            ts += _field_bytes(1, _field_bytes(1, name.encode()) + _field_bytes(2, value.encode()))
-        for t_ms, value in samples:
-            # a NaN is only ever pushed as the stale marker: send its exact bits
-            v = struct.pack("<Q", STALE_NAN_BITS) if value != value else struct.pack("<d", value)
-            sample = b"\x09" + v + b"\x10" + _varint(t_ms)
-            ts += _field_bytes(2, sample)
-        out += _field_bytes(1, bytes(ts))
-    return bytes(out)
 
 
 class RemoteWriter:

@@ -203,17 +203,21 @@ def account(
             # torch now (another rank's memory, since freed): it is all the baseline there is
             a.baseline, a.outside_all = used - held, 0
         a.unsplit = a.outside_all
-        if below:
-            a.unsplit_why = "NVML's figure for this process is below torch's own pool"
-        elif moved is not None and moved > TRUSTED_REMAINDER:
-            a.unsplit_why = (
-                f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
-            )
-        elif not mine:
-            a.unsplit_why = "no per-process reading" if not procs else "no reading of this process"
-        else:
-            a.unsplit_why = "NVML gave no figure for this process"
+        a.unsplit_why = _why_unsplit(below, moved, mine, procs)
     return a
+
+
+def _why_unsplit(
+    below: bool, moved: int | None, mine: ProcessMemory | None, procs: list[ProcessMemory]
+) -> str:
+    """Why a step's memory outside torch is not split by process."""
+    if below:
+        return "NVML's figure for this process is below torch's own pool"
+    if moved is not None and moved > TRUSTED_REMAINDER:
+        return f"NVML moved {moved / MIB:.0f} MiB between the end mark and the per-process reading"
+    if not mine:
+        return "no per-process reading" if not procs else "no reading of this process"
+    return "NVML gave no figure for this process"
 
 
 def outside_share(procs: list[ProcessMemory], pid: int | None, reserved: int) -> int | None:

@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import logging
 import os
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -43,6 +42,12 @@ from collector.model.prediction import Estimate, load_estimate
 from collector.model.records import ERROR_PREFIX, Stat, StepEvent
 from collector.model.series import SERIES
 from collector.model.units import GIB
+from collector.probe.identity import (
+    allocator_mode,
+    cpu_stands_in_for,
+    cuda_uuid,
+    distributed_identity,
+)
 from collector.probe.ledger import LedgerCache, UnshardWatch
 from collector.probe.outbox import Outbox, RaySamplers
 from collector.probe.peaks import user_peaks
@@ -71,7 +76,6 @@ _PATHS = [(k, tuple(k.split("."))) for k in TORCH_KEYS]
 CPU = "cpu"
 RECORDS_KEPT = 20_000
 EVENTS_ENV = "STEPMEM_EVENTS"  # a JSONL file every probe event is appended to (``stepmem capture``)
-CPU_AS_ENV = "STEPMEM_CPU_AS"  # a GPU UUID a CPU-only probe reports as (CPU ranks in CI)
 ESTIMATE_ENV = "STEPMEM_ESTIMATE"  # an estimate (JSON) whose predicted peak each end event carries
 HISTORY_ENV = "STEPMEM_HISTORY_DIR"  # where allocation history snapshots go (see StepProbe)
 _LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
@@ -79,51 +83,6 @@ _LOG_PEAKS = (Stat.ALLOCATED_PEAK, Stat.RESERVED_PEAK)
 # evaluate, a notebook cell run again) never give two steps the same key. next() on a count is
 # atomic under the GIL.
 _SEQ = itertools.count(1)
-
-
-def allocator_mode() -> dict[str, int]:
-    """How this process's CUDA caching allocator is set up, from the environment PyTorch reads:
-    caching off (``PYTORCH_NO_CUDA_MEMORY_CACHING``: every free goes back to the driver and the
-    allocator's statistics stay 0) and expandable segments (``PYTORCH_CUDA_ALLOC_CONF`` or
-    ``PYTORCH_ALLOC_CONF`` with ``expandable_segments:True``)."""
-    names = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    conf = ",".join(os.environ.get(k, "") for k in names)
-    conf = conf.replace(" ", "").lower()
-    no_cache = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "")
-    return {
-        Stat.PROCESS_PID: os.getpid(),
-        Stat.CACHING_DISABLED: int(no_cache not in ("", "0")),
-        Stat.EXPANDABLE_SEGMENTS: int("expandable_segments:true" in conf),
-    }
-
-
-def distributed_identity() -> tuple[int, int, int | None, bool]:
-    """This process's (rank, world size, local rank or None, whether torch.distributed is
-    initialized): from ``torch.distributed`` once its process group exists, else from the
-    environment torchrun and Ray Train set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), else a
-    single process (0, 1). Values that contradict each other (a rank outside the world) fall
-    back to a single process rather than reach the sampler as events it must refuse."""
-    rank = world = local = None
-    initialized = False
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            rank, world, initialized = dist.get_rank(), dist.get_world_size(), True
-    except Exception:  # a half-torn-down process group: the environment still tells
-        pass
-
-    def env(name: str) -> int | None:
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            return None
-
-    if rank is None:
-        rank, world = env("RANK"), env("WORLD_SIZE")
-    local = env("LOCAL_RANK")
-    if rank is None or world is None or not (0 <= rank < world):
-        rank, world = 0, 1
-    return rank, world, local, initialized
 
 
 def _never_raises(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,18 +104,6 @@ def _never_raises(method: Callable[..., Any]) -> Callable[..., Any]:
     return inner
 
 
-def cpu_stands_in_for() -> str | None:
-    """The GPU UUID a CPU-only process reports as, from ``STEPMEM_CPU_AS`` (a comma-separated
-    list: the one at this process's ``LOCAL_RANK``, modulo its length; without ``LOCAL_RANK``
-    — ``torch.multiprocessing.spawn`` sets none — its rank), so CPU ranks stand in for the GPUs
-    a replay simulates (CI has no GPU) one GPU a rank, as torchrun's do; None when unset."""
-    uuids = [u for u in os.environ.get(CPU_AS_ENV, "").split(",") if u.strip()]
-    if not uuids:
-        return None
-    rank, _, local, _ = distributed_identity()
-    return uuids[(rank if local is None else local) % len(uuids)].strip()
-
-
 def _dig(nested: dict[str, Any], path: tuple[str, ...], missing: Any = None) -> Any:
     """The value at ``path`` of torch's nested statistics (``missing``: a key this torch lacks)."""
     node: Any = nested
@@ -165,14 +112,6 @@ def _dig(nested: dict[str, Any], path: tuple[str, ...], missing: Any = None) -> 
             return missing
         node = node[part]
     return node
-
-
-def cuda_uuid(device: int) -> str:
-    """NVML-style UUID (``GPU-…``) of CUDA device ``device`` as this process numbers it."""
-    import torch
-
-    raw = str(torch.cuda.get_device_properties(device).uuid)
-    return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
 
 
 class StepProbe:

@@ -134,7 +134,7 @@ class CommandRunner:
         import os
         import subprocess
 
-        from collector.probe.core import CPU_AS_ENV
+        from collector.probe.identity import CPU_AS_ENV
 
         env = dict(os.environ)
         if self.cpu_as:
