@@ -197,6 +197,15 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
         token = (tmp_path / "home" / ".ray" / "auth_token").read_text().strip()
         auth = {"Authorization": f"Bearer {token}"}
         assert get(ports["DASHBOARD"], "/api/version", auth)["ray_version"]
+        # a run that reaches this head without a token: stepmem's one line, not Ray's twenty
+        # InvalidAuthToken lines first
+        bare = subprocess.run(
+            [sys.executable, "-m", "collector.cli", "run", "--address", head, "--no-store"],
+            env={**env, "RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert bare.returncode == 2, bare.stdout + bare.stderr
+        assert "wants an auth token" in bare.stderr, bare.stderr
+        assert "InvalidAuthToken" not in bare.stdout + bare.stderr, bare.stderr
         # `ray start` names its head the machine's current cluster (shortly after it serves)
         wait_for(lambda: current.exists() and current.read_text().strip() == head, timeout=30)
         # a second up.sh is refused: it would answer its checks with this stack's servers
@@ -228,7 +237,8 @@ def test_the_local_quick_start_brings_up_ray_prometheus_with_rules_and_alertmana
     record_fault(
         "deploy/local/up.sh where Ray turns token auth on (a token in ~/.ray)",
         "the stack comes up once its job agent answers and says 'Ray token auth on'; the "
-        "dashboard refuses without the token, answers with it; the printed `ray job submit` "
+        "dashboard refuses without the token, answers with it; a run without the token is told "
+        "in one line, before Ray's retries; the printed `ray job submit` "
         "line runs a job as printed (no venv on PATH); a second up.sh is refused; down.sh "
         "leaves no port held",
     )

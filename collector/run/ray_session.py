@@ -156,6 +156,7 @@ def connect_ray(address: str | None) -> None:
     if is_loopback_address(where):
         loopback_only_ray()
     _listening(where)
+    _no_token_wanted(where)
     _init(where, namespace="stepmem")
 
 
@@ -168,11 +169,10 @@ def _listening(address: str | None) -> None:
     Other forms (``auto``, ``ray://…``, a name Ray resolves itself) are left to Ray."""
     import socket
 
-    if not address or "://" in address or address in ("auto", "local"):
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return  # Ray says what is wrong with it
+    target = _host_port(address)
+    if target is None:
+        return  # Ray resolves it, or says what is wrong with it
+    host, _, port = target.rpartition(":")
     host = host.strip("[]")
     deadline = time.monotonic() + REACH_S
     why = ""
@@ -192,6 +192,38 @@ def _listening(address: str | None) -> None:
         f"cannot connect to the Ray cluster at {address}: nothing answers there ({why}, for "
         f"{REACH_S:.0f} s); is its head running (`ray status --address {address}`)?"
     )
+
+
+def _no_token_wanted(address: str | None) -> None:
+    """A cluster with token authentication, reached without a token (``RAY_AUTH_MODE`` not
+    ``token``): one line at once. Ray's client would print about twenty ``InvalidAuthToken``
+    lines over some 20 s before it gave up. One gRPC call to the GCS, bounded at 3 s; any other
+    answer (or none) is left to Ray."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return
+    target = _host_port(address)
+    if target is None:
+        return
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # another Ray: its own message will do
+        return
+    with grpc.insecure_channel(target) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=3.0)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise _ray_error(ConnectionError("InvalidAuthToken"), address) from None
+
+
+def _host_port(address: str | None) -> str | None:
+    """``host:port`` of a plain GCS address; None for the forms Ray resolves itself."""
+    if not address or "://" in address or address in ("auto", "local"):
+        return None
+    host, sep, port = address.rpartition(":")
+    return address if sep and port.isdigit() and host else None
 
 
 def _init_ray(address: str | None) -> bool:
