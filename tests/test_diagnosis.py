@@ -170,7 +170,7 @@ def test_a_peak_resting_on_a_step_with_a_stall_is_a_lower_bound_and_says_so():
     line = next(x for x in verdict(found) if x.startswith("Peak"))
     assert f"at least: step {peak.step}'s sampling missed part of it (stall)" in line
     (starved,) = [f for f in found if f.rule == "starved"]
-    assert "1 of 12 steps have a stall" in starved.text and starved.numbers["stall"] == 1
+    assert "1 of 12 steps has a stall" in starved.text and starved.numbers["stall"] == 1
     peak.gap = ""  # clean sampling: no hedge
     line = next(x for x in verdict(diagnose(recs, total_bytes=140 * GIB)) if x.startswith("Peak"))
     assert "at least" not in line

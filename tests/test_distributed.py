@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,8 @@ def test_torchrun_ranks_each_report_their_own_steps(tmp_path, record_fault):
         assert xs[-1].ledger["parameters"] > 0 and xs[-1].ledger["unsharded_parameters_peak"] > 0
     assert "rank 0 of 2" in res.stdout and "rank 1 of 2" in res.stdout
     assert "Fleet — 2 ranks of the run" in res.stdout
+    # a "Fleet" heading only above what the fleet rule found (it stood empty before)
+    assert not re.search(r"^Fleet\n(?! • )", res.stdout, re.M), res.stdout
     # the capture played beside the CPU ranks is not their memory: no NVML figure, no verdict
     # on it (it read 0 bytes, "headroom 140 GiB", before)
     assert all(x.gap == "stand_in" and x.nvml_peak_bytes is None for x in recs)

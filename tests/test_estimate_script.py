@@ -368,3 +368,29 @@ def test_a_forged_result_nested_deep_is_one_line(tmp_path, record_fault):
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("stepmem estimate")]
     assert len(lines) == 1 and "nested" in lines[0] and "Traceback" not in r.stderr, r.stderr
     record_fault("bad input: a script that forges a deep result file", lines[0][:160], exit_code=2)
+
+
+def test_torchs_warnings_are_shown_at_the_scripts_line_and_bitsandbytes_is_quiet(tmp_path):
+    """``float(loss)`` warns in torch's C++; under the estimate it was shown at stepmem's
+    ``cuda_api.py``, as if the estimate had erred. And a 4-bit estimate began with bitsandbytes'
+    warning that its CPU kernels' hub is offline (the CPU that traces does not use them)."""
+    script = tmp_path / "warns.py"
+    script.write_text(
+        "import torch\n"
+        "from collector.probe import StepProbe\n"
+        "m = torch.nn.Linear(8, 8).cuda()\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "probe = StepProbe().watch(m, opt)\n"
+        "for step in range(2):\n"
+        "    with probe.step(step):\n"
+        "        loss = m(torch.randn(4, 8, device='cuda')).sum()\n"
+        "        print(float(loss))\n"
+        "        loss.backward(); opt.step(); opt.zero_grad()\n"
+    )
+    res = _cli("--script", str(script), "--gpu", "24")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{script}:9: UserWarning: Converting a tensor" in res.stderr, res.stderr
+    assert "collector/" not in res.stderr, res.stderr
+    q = _cli("--size", "tiny", "--lora-r", "8", "--load-in-4bit", "--seq-len", "32")
+    assert q.returncode == 0, q.stderr[-2000:]
+    assert "bitsandbytes" not in q.stdout + q.stderr, q.stderr

@@ -24,7 +24,7 @@ import shlex
 from collector.analysis.runs import Run, Stream
 from collector.model.kinds import Gap
 from collector.model.step import StepRecord
-from collector.model.units import gib
+from collector.model.units import gib, have
 
 __all__ = ["compare"]
 
@@ -138,13 +138,14 @@ def _unsampled(
         share = len(missing) / len(st.records)
         if share > max_unsampled:
             problems.append(
-                f"{name}: {len(missing)} of {which}'s steps have no NVML samples "
+                f"{name}: {len(missing)} of {which}'s steps {have(len(missing))} no NVML samples "
                 f"({100 * share:.1f} %, more than the {100 * max_unsampled:g} % allowed), so "
                 f"{which}'s largest peak is unknown (see {_report_cmd(run)})"
             )
         else:
             lines.append(
-                f"- {len(missing)} of {which}'s {len(st.records)} steps have no NVML samples "
+                f"- {len(missing)} of {which}'s {len(st.records)} steps {have(len(missing))} "
+                "no NVML samples "
                 f"({100 * share:.1f} %, within the {100 * max_unsampled:g} % allowed): NVML is "
                 "judged on its other steps, torch's peaks on all."
             )

@@ -333,7 +333,8 @@ def _fleet(run: Run, d: RunDiagnosis, console: Any) -> None:
     if len(shown) < len(rows):
         table.add_row(*(["⋯"] * (len(cols) - 1)), f"{len(rows) - len(shown)} more")
     console.print(table)
-    console.print(Text("Fleet", style="bold"))
+    if d.fleet_lines:  # nothing the fleet rule found: no empty heading
+        console.print(Text("Fleet", style="bold"))
     for line in d.fleet_lines:
         console.print(Text(f" • {line}"))
 

@@ -25,14 +25,34 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 HEAD = "lm_head"
 
 
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported without its CPU kernels' warnings about a hub it may not reach (on
+    the CPU that traces, not the user's GPU: the estimate does not use those kernels); None when
+    it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    import contextlib
+    import io
+    import logging
+
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            import bitsandbytes
+    finally:
+        logging.disable(logging.NOTSET)
+    return bitsandbytes
+
+
 def _quantise_4bit(model: Any, device: Any) -> None:
     """Every ``nn.Linear`` but the head as a 4-bit ``Linear4bit``, quantised on ``device``."""
     import torch
 
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise EstimateError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes") from None
+    bnb = import_bitsandbytes()
+    if bnb is None:
+        raise EstimateError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes")
     # bitsandbytes caches its dynamic map per process: one made under an earlier trace's fake
     # mode cannot meet this one's tensors
     getattr(bnb.functional, "name2qmap", {}).clear()

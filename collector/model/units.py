@@ -6,7 +6,7 @@ Every figure stepmem keeps is in bytes; these are the binary multiples its text 
 
 from __future__ import annotations
 
-__all__ = ["GIB", "KIB", "MIB", "gib", "gib_figure", "size"]
+__all__ = ["GIB", "KIB", "MIB", "gib", "gib_figure", "have", "size"]
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -26,3 +26,8 @@ def gib(n: float) -> str:
 def size(n: float) -> str:
     """GiB from 1 GiB up, whole MiB below: ``"1.50 GiB"``, ``"300 MiB"``."""
     return gib(n) if abs(n) >= GIB else f"{n / MIB:.0f} MiB"
+
+
+def have(n: int) -> str:
+    """The verb a count of things takes: ``f"{n} of 5 steps {have(n)}"`` ("1 of 5 steps has")."""
+    return "has" if n == 1 else "have"

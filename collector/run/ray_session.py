@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -138,7 +139,7 @@ def _init(address: str | None, **kwargs: Any) -> None:
             log = next((w for w in text.split() if w.endswith((".out", ".err", ".log"))), "")
             raise StepmemError(
                 "Ray could not start its head on this machine ("
-                + first_line(exc, 160)
+                + re.sub(r"\s*Last 0 lines of error files:.*", "", first_line(exc, 160))
                 + ")"
                 + (f"; its log: {log}" if log else "")
                 + " — a file-size limit (ulimit -f), a full disk or /tmp, or no room for its "

@@ -46,6 +46,7 @@ from collector.estimate.fakes import (
 )
 from collector.estimate.fit import Target
 from collector.estimate.gpus import Card
+from collector.estimate.lora import import_bitsandbytes
 from collector.estimate.request import EstimateRequest
 from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
 from collector.estimate.script.paged import paged_state
@@ -214,7 +215,7 @@ class _Run:
 
     def _run_script(self, args: list[str]) -> None:
         try:
-            with _as_main(self.script, args):
+            with _as_main(self.script, args), _warnings_at(self.script):
                 runpy.run_path(str(self.script), run_name="__main__")
             self.ended = True
         except marks.TraceDone:
@@ -241,22 +242,41 @@ class _Run:
                 d[MemoryKind.OPTIMIZER_STATE] -= n
 
 
+_PACKAGE = str(Path(__file__).resolve().parents[2])  # collector/
+
+
+@contextlib.contextmanager
+def _warnings_at(script: Path) -> Iterator[None]:
+    """A warning torch raises inside the stand-in's or the fake mode's frames (``float(loss)``
+    of a tensor that needs grad) is shown at the script's line that caused it, not at
+    stepmem's: it is the script's, and stepmem's file name made it look like ours. Costs
+    nothing per operation: only a warning being shown walks the stack."""
+    import warnings
+
+    shown = warnings.showwarning
+    here = str(script.resolve())
+
+    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+        if str(filename).startswith(_PACKAGE):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename != here:
+                frame = frame.f_back
+            if frame is not None:
+                filename, lineno, line = here, frame.f_lineno, None
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def _before_the_stand_in() -> None:
     """Libraries that pick a CUDA backend when they are imported with CUDA there: imported
     before the stand-in says it is (bitsandbytes then runs its CPU ops, whose fake kernels the
     trace uses; its CUDA ones cannot load without CUDA)."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        import io
-        import logging
-
-        logging.disable(logging.WARNING)  # its CPU kernels' notes on a hub it may not reach
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                import bitsandbytes  # noqa: F401
-        finally:
-            logging.disable(logging.NOTSET)
+    import_bitsandbytes()
 
 
 def _optimizers_seen(steps: ScriptSteps) -> Any:

@@ -7,6 +7,7 @@ from collector.analysis.diagnosis.kinds import Finding, FindingKind
 from collector.analysis.diagnosis.steps import Steps
 from collector.analysis.diagnosis.text import steps_text
 from collector.model.kinds import Gap
+from collector.model.units import have
 
 
 def rule(s: Steps) -> list[Finding]:
@@ -30,12 +31,14 @@ def rule(s: Steps) -> list[Finding]:
         out.append(
             Finding(
                 FindingKind.UNMEASURED,
-                f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
+                f"{len(missing)} of {len(recs)} steps {have(len(missing))} no NVML samples "
+                "(step "
                 f"{steps_text([r.step for r in missing])}; {', '.join(why)}): their NVML "
                 "figures are unknown, not zero, and are left out below.",
                 {"steps": len(missing), "of": len(recs), "gaps": why},
                 detail=(
-                    f"{len(missing)} of {len(recs)} steps have no NVML samples (step "
+                    f"{len(missing)} of {len(recs)} steps {have(len(missing))} no NVML samples "
+                    "(step "
                     f"{steps_text([r.step for r in missing])}; {', '.join(why)}): the sampler "
                     "read nothing inside them — steps shorter than the sampling period (a "
                     "replay sped up with --speed, a fast workload at a low --rate), a sampler "
@@ -52,7 +55,8 @@ def rule(s: Steps) -> list[Finding]:
         parts = []
         if stalls:
             parts.append(
-                f"{len(stalls)} of {len(recs)} steps have a stall, a stretch with no sample "
+                f"{len(stalls)} of {len(recs)} steps {have(len(stalls))} a stall, a stretch with "
+                "no sample "
                 f"(step {steps_text([r.step for r in stalls])}): a transient inside it is "
                 "not seen"
             )
@@ -63,7 +67,8 @@ def rule(s: Steps) -> list[Finding]:
             )
         if holes:
             parts.append(
-                f"{len(holes)} of {len(recs)} steps have a hole of several sampling periods "
+                f"{len(holes)} of {len(recs)} steps {have(len(holes))} a hole of several "
+                "sampling periods "
                 f"between two samples (step {steps_text([r.step for r in holes])}): a transient "
                 "inside it is not seen"
             )
