@@ -218,3 +218,27 @@ def test_a_new_run_of_another_workload_cannot_pass_the_gate(tmp_path, record_fau
         "compare: NEW of another workload than BASE (a gate pointed at the wrong baseline)",
         "exit 1, 'Cannot compare', both workloads named; --other-workload judges them anyway",
     )
+
+
+def test_two_stand_in_runs_are_told_there_is_no_gpu_memory_to_gate(record_fault):
+    """CPU ranks standing in for a GPU (CI's ``stepmem run --command``) carry a ledger but no
+    GPU memory: the gate cannot pass them, and says what can be gated instead."""
+    from collector.analysis.runs import Run
+
+    doc = json.loads(RECORDS.read_text())
+    recs = copy.deepcopy(doc["records"])
+    for r in recs:
+        r.update(samples=0, gap="stand_in", nvml_peak_bytes=None, nvml_peak_t_ns=None,
+                 nvml_min_bytes=None, nvml_end_bytes=None, nvml_reserved_bytes=None,
+                 torch_allocated_peak_bytes=None, torch_reserved_peak_bytes=None, torch_begin={},
+                 torch_end={}, phases=[])  # fmt: skip
+    meta = {k: v for k, v in doc.items() if k != "records"}
+    run = Run("cpu", {**meta, "status": "complete"}, typed(recs))
+    md, failed = compare(run, run, 0.05)
+    assert failed, md
+    assert "both runs are CPU processes standing in for a GPU" in md, md
+    assert "stepmem estimate --gpu CARD" in md and "neither run measured" not in md, md
+    record_fault(
+        "compare: two runs of CPU ranks standing in for a GPU",
+        "fails the gate, saying the stand-ins hold no GPU memory to gate and what can be gated",
+    )

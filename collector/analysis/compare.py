@@ -191,7 +191,14 @@ def _gated(
             regressions.append(
                 f"{name}: the largest {label} grew from {gib(bv)} to {gib(nv)} ({_pct(bv, nv)})"
             )
-    if not judged:  # a gate that judged nothing must not pass
+    stand_ins = all(r.has_gap(Gap.STAND_IN) for r in (*bs.records, *ns.records))
+    if not judged and stand_ins:  # CPU ranks in CI: no GPU memory in either run to gate
+        problems.append(
+            f"{name}: both runs are CPU processes standing in for a GPU, which hold no GPU "
+            "memory to gate (no NVML figure, no torch allocator figure); gate a run on a GPU, "
+            "or before the run an estimate (`stepmem estimate --gpu CARD` says whether it fits)"
+        )
+    elif not judged:  # a gate that judged nothing must not pass
         problems.append(
             f"{name}: neither run measured any peak (no NVML sample and no torch figure in any "
             f"step), so nothing could be judged (see {_report_cmd(new)})"
