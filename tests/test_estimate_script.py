@@ -394,3 +394,27 @@ def test_torchs_warnings_are_shown_at_the_scripts_line_and_bitsandbytes_is_quiet
     q = _cli("--size", "tiny", "--lora-r", "8", "--load-in-4bit", "--seq-len", "32")
     assert q.returncode == 0, q.stderr[-2000:]
     assert "bitsandbytes" not in q.stdout + q.stderr, q.stderr
+
+
+@pytest.mark.parametrize(
+    ("header", "said"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested"),
+        (b'{"__metadata__": [1, 2, 3]}', "__metadata__ is not an object"),
+        (b'{"w": [1, 2]}', "dtype or shape unreadable"),
+        (b'{"w": {"dtype": "F32", "shape": [NaN]}}', "not JSON"),
+    ],
+)
+def test_a_hostile_safetensors_header_is_one_line_of_ours(tmp_path, header, said):
+    """A header 100,000 deep was ``RecursionError … while decoding a JSON array``, a list of
+    metadata ``TypeError: cannot convert dictionary update sequence``: raw text of Python's."""
+    import struct
+
+    from collector.estimate.script.weights import read_header
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(EstimateError) as err:
+        read_header(path)
+    line = str(err.value)
+    assert said in line and str(path) in line and "\n" not in line, line

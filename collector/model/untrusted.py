@@ -66,6 +66,12 @@ def read_json(path: str | Path, limit: int, what: str = "") -> Any:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{name}: larger than {limit:,} bytes")
+    return loads_json(data, name)
+
+
+def loads_json(data: bytes, name: str) -> Any:
+    """``data`` as JSON, checked as :func:`read_json` checks a file's (UTF-8, strict numbers,
+    at most :data:`MAX_DEPTH` deep): one-line :class:`ValueError` prefixed with ``name``."""
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_constant)
     except RecursionError:

@@ -11,7 +11,6 @@ not GPU memory). The header is untrusted data: its size is bounded, its entries 
 from __future__ import annotations
 
 import contextlib
-import json
 import struct
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.model.errors import EstimateError
+from collector.model.untrusted import loads_json
 
 __all__ = ["HeaderOnly", "headers_only", "read_header"]
 
@@ -52,22 +52,25 @@ def read_header(path: str | Path) -> tuple[dict[str, tuple[str, list[int]]], dic
         if n > MAX_HEADER:
             raise EstimateError(f"{path}: a header of {n} bytes (at most {MAX_HEADER})")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
+    try:  # a file anyone may hand the script: bounded in depth, one line when it is bad
+        header = loads_json(raw, f"{path}: its header")
     except ValueError as exc:
-        raise EstimateError(f"{path}: its header is not JSON ({exc})") from None
+        raise EstimateError(str(exc)) from None
     if not isinstance(header, dict):
         raise EstimateError(f"{path}: its header is not an object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise EstimateError(f"{path}: its header's __metadata__ is not an object of strings")
     tensors = {}
     for name, entry in header.items():
-        dtype, shape = (entry or {}).get("dtype"), (entry or {}).get("shape")
+        entry = entry if isinstance(entry, dict) else {}
+        dtype, shape = entry.get("dtype"), entry.get("shape")
         if dtype not in DTYPES or not isinstance(shape, list):
             raise EstimateError(f"{path}: tensor {str(name)[:80]!r}: dtype or shape unreadable")
         if not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
             raise EstimateError(f"{path}: tensor {str(name)[:80]!r}: a bad shape")
         tensors[str(name)] = (dtype, shape)
-    return tensors, {str(k): str(v) for k, v in dict(meta).items()}
+    return tensors, {str(k): str(v) for k, v in meta.items()}  # the script's own, as given
 
 
 class _Slice:
