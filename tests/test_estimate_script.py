@@ -391,6 +391,7 @@ def test_torchs_warnings_are_shown_at_the_scripts_line_and_bitsandbytes_is_quiet
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"{script}:9: UserWarning: Converting a tensor" in res.stderr, res.stderr
     assert "collector/" not in res.stderr, res.stderr
+    assert "Estimate: Linear (72 parameters), script warns.py" in res.stdout  # its model's class
     q = _cli("--size", "tiny", "--lora-r", "8", "--load-in-4bit", "--seq-len", "32")
     assert q.returncode == 0, q.stderr[-2000:]
     assert "bitsandbytes" not in q.stdout + q.stderr, q.stderr
@@ -418,3 +419,15 @@ def test_a_hostile_safetensors_header_is_one_line_of_ours(tmp_path, header, said
         read_header(path)
     line = str(err.value)
     assert said in line and str(path) in line and "\n" not in line, line
+
+
+def test_a_4bit_base_is_counted_by_its_weights_not_its_packed_bytes():
+    """QLoRA's headline said 227.3M parameters for a 373.9M model (4-bit weights packed two a
+    byte); peft says 373.9M, and which of them train."""
+    plain = json.loads(_cli("--size", "tiny", "--seq-len", "32", "--json").stdout)
+    res = _cli("--size", "tiny", "--seq-len", "32", "--lora-r", "8", "--load-in-4bit", "--json")
+    qlora = json.loads(res.stdout)
+    adapters = qlora["trainable_count"]
+    assert 0 < adapters < plain["parameters_count"]
+    assert qlora["parameters_count"] == plain["parameters_count"] + adapters
+    assert plain["trainable_count"] == plain["parameters_count"]

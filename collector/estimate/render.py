@@ -39,15 +39,21 @@ def _what(est: Estimate) -> str:
     )
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
 def _headline(est: Estimate) -> str:
     s = est.spec
-    model = "" if est.script else est.subject
+    model = str(s.get("model") or "") if est.script else est.subject  # a script's: its class
     if s.get("shard") == "fsdp2":
         model += f", FSDP2 over {s.get('world_size', 1)} rank(s)"
-    n = est.parameters_count
-    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    count = f"{_count(est.parameters_count)} parameters"
+    trainable = est.trainable_count
+    if trainable is not None and trainable < est.parameters_count:
+        count += f", {_count(trainable)} trainable"
     return (
-        f"Estimate: {model + ' ' if model else ''}({count} parameters), {_what(est)}"
+        f"Estimate: {model + ' ' if model else ''}({count}), {_what(est)}"
         f" — on {est.device}{' (standing in for CUDA)' if est.stand_in else ''}, "
         f"{est.seconds:.1f} s, "
         + (

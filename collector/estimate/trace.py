@@ -77,6 +77,7 @@ from collector.estimate.tracker import exact_bytes, file_quantisation_state
 from collector.estimate.tracker import tracker as memory_tracker
 from collector.model.kinds import MemoryKind, Phase
 from collector.model.prediction import Estimate, ModulePeak
+from collector.model.quantised import parameter_counts
 
 __all__ = ["estimate"]
 
@@ -342,7 +343,7 @@ def estimate(
             model = build_model() if build_model is not None else build.build_model(spec, device)
         _prepare(spec, model, mesh)
         opt = build.optimizer(spec, model)
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = parameter_counts(model.parameters())
         stack.append(_Stack(model))
         try:
             for step in range(1, MAX_STEPS_TRACED + 1):
@@ -360,7 +361,7 @@ def estimate(
             if d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
                 d[MemoryKind.OPTIMIZER_STATE] -= n
     notes += attention_note(getattr(attention, "chosen", {}))
-    out = _result(spec, t, notes, device, cuda, int(n_params), opt, time.monotonic() - t0)
+    out = _result(spec, t, notes, device, cuda, n_params, opt, time.monotonic() - t0)
     if t.log is not None:
         hold_steps(out, t.log, allocator, target)
     return out
@@ -372,7 +373,7 @@ def _result(
     notes: list[str],
     device: Any,
     cuda: bool,
-    n_params: int,
+    n_params: tuple[int, int],
     opt: Any,
     seconds: float,
 ) -> Estimate:
@@ -388,7 +389,8 @@ def _result(
         spec={**asdict(spec), "lora_targets": list(spec.lora_targets)},  # as JSON has it
         device=str(device),
         stand_in=not cuda,
-        parameters_count=n_params,
+        parameters_count=n_params[0],
+        trainable_count=n_params[1],
         steady=steady,
         first=t.per_step[0],
         at_end={k: t.at_end.get(k, 0) for k in resident},

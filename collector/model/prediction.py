@@ -230,6 +230,8 @@ class Estimate:
     fit: Fit | None = None
     # --max-batch / --max-seq-len: the search (estimate.largest) that found this estimate's size
     largest: SearchResult | None = None
+    # how many of the parameters train (LoRA: the adapters); None in estimates made before it
+    trainable_count: int | None = None
 
     @property
     def script(self) -> bool:
@@ -320,6 +322,9 @@ class Estimate:
                 largest=None
                 if d.get("largest") is None
                 else SearchResult.from_untrusted(d["largest"]),
+                trainable_count=None
+                if d.get("trainable_count") is None
+                else int(d["trainable_count"]),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EstimateError(f"estimate: malformed ({_text(exc, 200)})") from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["quantisation_tensors"]
+__all__ = ["parameter_counts", "quantisation_tensors"]
 
 _STATE_TENSORS = ("absmax", "code", "offset")
 
@@ -38,3 +38,24 @@ def quantisation_tensors(weight: Any) -> list[Any]:
     if _tensor(scb):
         out.append(scb)
     return out
+
+
+def _elements(weight: Any) -> int:
+    """Elements of ``weight`` as the model has them: a 4-bit weight's packed uint8 holds two
+    per byte, and its ``quant_state.shape`` is the weight's own shape."""
+    shape = getattr(getattr(weight, "quant_state", None), "shape", None)
+    if shape is not None:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return n
+    return int(weight.numel())
+
+
+def parameter_counts(params: Any) -> tuple[int, int]:
+    """(parameters, trainable ones) of ``params``, each counted once, as peft's
+    ``print_trainable_parameters`` counts them: a 4-bit base by its weights' shapes."""
+    seen = {id(p): p for p in params}
+    total = sum(_elements(p) for p in seen.values())
+    trainable = sum(_elements(p) for p in seen.values() if getattr(p, "requires_grad", False))
+    return total, trainable

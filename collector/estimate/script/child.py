@@ -65,6 +65,7 @@ from collector.model import marks
 from collector.model.files import atomic_write
 from collector.model.kinds import MemoryKind, Phase
 from collector.model.prediction import Estimate
+from collector.model.quantised import parameter_counts
 
 __all__ = ["main", "trace_script"]
 
@@ -337,6 +338,7 @@ def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
     holder = None if s.in_optimizer else holder_of(s.modules, sum(steady.values()))
     notes = _notes(run, len(s.per_step))
     managed = sum(int(getattr(o, "stepmem_managed", 0)) for o in list(s.optimizers))
+    counts = parameter_counts(params.values())
     return Estimate(
         spec={
             "workload": "script",
@@ -344,10 +346,12 @@ def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
             "args": [str(a)[:200] for a in args[:40]],
             "optim": ", ".join(sorted({type(o).__name__ for o in list(s.optimizers)})) or "none",
             "steps": s.numbers[: len(s.per_step)],
+            "model": ", ".join(dict.fromkeys(type(m).__name__ for m in models))[:200],
         },
         device=str(run.device),
         stand_in=not run.cuda,
-        parameters_count=int(sum(p.numel() for p in params.values())),
+        parameters_count=counts[0],
+        trainable_count=counts[1],
         steady=steady,
         first=s.per_step[0],
         at_end={k: s.at_end.get(k, 0) for k in resident},
