@@ -7,14 +7,18 @@ from collector.analysis.diagnosis.kinds import Finding, FindingKind
 from collector.analysis.diagnosis.steps import Steps
 from collector.analysis.diagnosis.text import steps_text
 from collector.model.kinds import Gap
+from collector.model.step import StepRecord
 from collector.model.units import have
 
 
 def rule(s: Steps) -> list[Finding]:
-    out = []
     recs = s.all_steps
+    return [*_stand_ins(recs), *_unmeasured(recs), *_behind(recs)]
+
+
+def _stand_ins(recs: list[StepRecord]) -> list[Finding]:
     stand_ins = [r for r in recs if r.has_gap(Gap.STAND_IN)]
-    missing = [r for r in recs if not r.measured and not r.has_gap(Gap.STAND_IN)]
+    out = []
     if stand_ins:
         out.append(
             Finding(
@@ -26,6 +30,12 @@ def rule(s: Steps) -> list[Finding]:
                 {"steps": len(stand_ins), "of": len(recs), "gaps": [Gap.STAND_IN.value]},
             )
         )
+    return out
+
+
+def _unmeasured(recs: list[StepRecord]) -> list[Finding]:
+    missing = [r for r in recs if not r.measured and not r.has_gap(Gap.STAND_IN)]
+    out = []
     if missing:
         why = sorted({r.gap or "no_samples" for r in missing})
         out.append(
@@ -47,6 +57,12 @@ def rule(s: Steps) -> list[Finding]:
                 ),
             )
         )
+    return out
+
+
+def _behind(recs: list[StepRecord]) -> list[Finding]:
+    """A sampler that fell behind: too few samples, holes, stalls, a stale end reading."""
+    out = []
     under = [r for r in recs if r.has_gap(Gap.UNDERSAMPLED)]
     holes = [r for r in recs if r.has_gap(Gap.HOLE)]
     stale = [r for r in recs if r.has_gap(Gap.STALE_END)]
