@@ -126,6 +126,13 @@ def _notes(spec: Spec, cuda: bool) -> list[str]:
             "no GPU here: fake tensors on the CPU stand in for CUDA, with CUDA's autocast cast "
             "lists and the attention kernel CUDA's dispatcher picks"
         )
+    if spec.checkpointing:  # no flag turns it on: it is always the workload's default here
+        notes.append(
+            "the step is the finetune workload's (an HF Trainer's): activation checkpointing on "
+            "by default — --no-checkpointing"
+            + (" --grad-accum 1" if spec.grad_accum > 1 else "")
+            + " estimates a plain loop"
+        )
     if spec.grad_accum > MICRO_TRACED:
         notes.append(
             f"{MICRO_TRACED} of the {spec.grad_accum} micro-batches of a step traced: from the "
