@@ -530,6 +530,18 @@ def test_like_takes_a_stored_runs_model_optimizer_and_batch(tmp_path):
     ), r.stderr
 
 
+def _one_decoder_layers_bytes(size: str) -> int:
+    """One float32 decoder layer's parameter bytes of the ``size`` workload model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from collector.estimate.spec import SHAPES
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[size]))
+    return sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp_path, world):
     """FSDP2 at world size 2 and 4: the estimate (one rank over a fake process group) against
@@ -545,6 +557,7 @@ def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp
     assert res.returncode == 0, res.stderr[-3000:]
     spec = Spec.for_machine(False, workload="distributed", size="tiny", world_size=world)
     est = estimate(spec)
+    layer = _one_decoder_layers_bytes("tiny")
     for rank in range(world):
         doc = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
         cur, peak = doc["current"]["cpu"], doc["peak"]["cpu"]
@@ -554,11 +567,15 @@ def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp
         # CUDA, which the estimate stands in for: not counted there
         counters = cur["OptState"] - est.at_end["optimizer_state"]
         assert 0 < counters <= 4 * 64 and counters % 4 == 0
-        assert est.steady["unsharded_parameters"] == peak["Unsharded Param"]
+        # gloo's all-gathers run on their own thread: on a loaded machine the next layer's
+        # gather can land before the root's parameters are resharded, and the tracker's peak
+        # snapshot then holds one decoder layer's parameters more (its Total with them)
+        early = peak["Unsharded Param"] - est.steady["unsharded_parameters"]
+        assert early in (0, layer), (early, layer)
         temporaries = peak["OptState"] - cur["OptState"]
         assert est.steady["optimizer_step_temporaries"] == temporaries
         assert temporaries <= cur["Sharded Param"]
-        assert est.peak == pytest.approx(peak["Total"] - counters, rel=0.01)
+        assert est.peak == pytest.approx(peak["Total"] - counters - early, rel=0.01)
     # step 1's optimizer step (its state made, AdamW's foreach temporaries): the rank's shard
     first = est.first["optimizer_step_temporaries"]
     assert 0 <= first <= est.at_end["parameters"]

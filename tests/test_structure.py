@@ -166,3 +166,57 @@ def test_no_module_imports_its_own_package():
             if isinstance(node, ast.ImportFrom) and node.module == package and not node.level:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []
+
+
+UNRESOLVED = """
+import ast, importlib, json, pathlib, sys
+bad = []
+for name in sys.argv[1:]:
+    path = pathlib.Path(name)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.ImportFrom) and node.module and not node.level):
+            continue
+        if node.module.split(".")[0] not in ("collector", "workloads"):
+            continue
+        try:
+            module = importlib.import_module(node.module)
+        except ImportError as e:
+            bad.append(f"{name}:{node.lineno} {node.module}: {e}")
+            continue
+        for alias in node.names:
+            if alias.name == "*" or hasattr(module, alias.name):
+                continue
+            try:
+                importlib.import_module(f"{node.module}.{alias.name}")
+            except ImportError:
+                bad.append(f"{name}:{node.lineno} {node.module}.{alias.name}")
+print(json.dumps(bad))
+"""
+
+
+def _unresolved(paths: list[Path]) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", UNRESOLVED, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_deferred_import_names_what_exists(tmp_path):
+    """An import inside a function runs only when that path does (a Ray Train worker, a child):
+    a name moved to another module breaks it with no import-time error. Every ``from collector…
+    import name`` in the project, deferred ones included, must name something that exists — and a
+    planted one that does not is named."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from collector.probe.core import NOT_THERE\n")
+    assert _unresolved([planted]) == [f"{planted}:2 collector.probe.core.NOT_THERE"]
+    ours = [
+        p
+        for d in ("collector", "workloads", "benchmarks", "tests")
+        for p in sorted((ROOT / d).rglob("*.py"))
+    ]
+    assert _unresolved(ours) == []

@@ -184,7 +184,8 @@ def _train_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     import workloads
-    from collector.probe.core import CPU_AS_ENV, StepProbe
+    from collector.probe.core import StepProbe
+    from collector.probe.identity import CPU_AS_ENV
 
     if config.get("cpu_as"):  # CPU workers standing in for replayed GPUs (CI)
         os.environ[CPU_AS_ENV] = ",".join(config["cpu_as"])
