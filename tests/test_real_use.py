@@ -449,15 +449,24 @@ def _children(pid: int, name: bytes) -> list[int]:
     return out
 
 
-def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, record_fault):
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job starts
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, sig, record_fault):
+    """Ctrl-C, or SIGTERM, stops a capture and keeps what it recorded — also when the capture
+    was started with SIGINT ignored (a background job of a shell, ``nohup … &``: Python then
+    installs no handler of its own)."""
     out = tmp_path / "partial.capture.parquet"
     proc = subprocess.Popen([*CLI, "capture", "--backend", "replay", "--capture", "spiky",
                              "--out", str(out), "--", "sleep", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    # Ctrl-C once the capture is recording: its command (a child of the capture) is running
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_ignored)  # fmt: skip
+    # the signal once the capture is recording: its command (a child of the capture) is running
     wait_for(lambda: _children(proc.pid, b"sleep"), timeout=120)
     time.sleep(1)  # a second of samples to keep
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, (stdout, stderr)
     from collector.replay import Capture
@@ -466,7 +475,9 @@ def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, record_fault)
     assert cap.notes.get("interrupted") is True and cap.duration_ns > 1e9
     assert "interrupted: what was recorded until then is kept" in stdout
     record_fault(
-        "Ctrl-C during `stepmem capture -- CMD`",
+        "Ctrl-C during `stepmem capture -- CMD`"
+        if sig == signal.SIGINT
+        else "SIGTERM to `stepmem capture -- CMD`",
         "exit 130; the command stopped; the capture of what was recorded is written (notes: "
         "interrupted)",
         seconds_kept=round(cap.duration_ns / 1e9, 1),

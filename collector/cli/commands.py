@@ -300,6 +300,9 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
         kept = " (the estimate above holds the steps traced before it)" if est else ""
         print(f"{prog}: {outcome.error}{kept}", file=sys.stderr)
         return 1 if est is not None else 2
+    if est is not None and est.undecided:  # 4: printed, but a placeholder's figures
+        print(f"{prog}: not trustworthy: {est.undecided}", file=sys.stderr)
+        return 4
     return 0
 
 
@@ -396,6 +399,9 @@ def _calibrate(ns: argparse.Namespace) -> int:
 
 def _cmd_capture(ns: argparse.Namespace) -> int:
     from collector.capture import record
+    from collector.signals import terminate_as_interrupt
+
+    terminate_as_interrupt()  # Ctrl-C and SIGTERM keep what was recorded, however started
 
     cmd = _strip_dashes(ns.cmd)
     if not cmd and ns.duration is None:

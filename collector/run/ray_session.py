@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from collector.model.errors import StepmemError, first_line
+from collector.signals import terminate_as_interrupt
 
 __all__ = [
     "RaySession",
@@ -28,33 +29,6 @@ __all__ = [
     "stop_local_ray",
     "terminate_as_interrupt",
 ]
-
-
-def terminate_as_interrupt(echo=print) -> None:
-    """SIGTERM (``ray job stop``, a scheduler's kill) ends the run like Ctrl-C: samplers stopped,
-    the run store flushed and marked ``interrupted``. Only the first SIGINT or SIGTERM does: the
-    ones that follow while the run stops (a user pressing Ctrl-C again) are answered with a line
-    and otherwise ignored, so the flush and Ray's shutdown are not cut short into tracebacks and
-    orphaned processes. SIGKILL still ends it at once (and :mod:`collector.reaper` removes a
-    local cluster's processes then)."""
-    stopping = False
-
-    def handler(signum: int, frame: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt(f"signal {signum}")
-        # a closed or broken stdout (the reader went away) must not turn the answer into a
-        # traceback that cuts the flush short
-        with contextlib.suppress(OSError, ValueError):
-            echo(
-                "stepmem: already stopping (stopping samplers, flushing the run store, stopping "
-                "Ray); kill -9 abandons the flush"
-            )
-
-    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
 
 
 def loopback_only_ray() -> None:
