@@ -1,7 +1,10 @@
 """Fake tensors as a user's script needs them (:mod:`.child` runs the script under them).
 
-* values read from a fake tensor (``loss.item()``, ``bool(t)``) are answered with placeholders
-  (:data:`PLACEHOLDERS`), and where the script first read one is kept (:class:`Reads`);
+* values read from a fake tensor (``loss.item()``, ``bool(t)``) are answered as a healthy run
+  answers them where that needs no data (:class:`Healthy`: a NaN check is false, a flag made
+  zero and only checked for infinities — ``GradScaler``'s ``found_inf`` — is zero), else with
+  placeholders (:data:`PLACEHOLDERS`, or another set for the second trace that shows whether a
+  placeholder decided what is allocated); every read's place is kept (:class:`Reads`);
 * ``module.to(…)`` converts parameters in place as on real tensors
   (:func:`conversions_in_place`), ``copy.deepcopy`` of a fake tensor clones it
   (:func:`fake_deepcopy`), and a parameter subclass (bitsandbytes' ``Params4bit``) made of a
@@ -11,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +24,7 @@ from collector.estimate.swap import swapped
 
 __all__ = [
     "PLACEHOLDERS",
+    "Healthy",
     "Reads",
     "conversions_in_place",
     "cuda_optimizer_defaults",
@@ -32,24 +37,136 @@ __all__ = [
 ]
 
 PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake value answers
+TRAIL_MAX = 5000  # reads whose place and allocations-so-far are kept (the first ones)
 
 
 class Reads:
-    """Where the script read a tensor's value (the first place, and how many reads)."""
+    """The values read from fake tensors: how many were answered with a placeholder, where the
+    script first read one, and — for the comparison of two traces — each read's place and a
+    digest of the allocations before it (``log``'s events). ``other``: answer with the second
+    set of placeholders (each read its own integer and float, booleans true), which a trace
+    that no placeholder decides does not notice."""
 
-    def __init__(self, script: Path | None = None) -> None:
+    def __init__(self, script: Path | None = None, log: Any = None, other: bool = False) -> None:
         self.script, self.count, self.first = script, 0, ""
+        self.log, self.other = log, other
+        self.answered = 0  # every placeholder answered, torch's own reads included
+        self.trail: list[tuple[str, str]] = []
+        self._digest, self._seen = hashlib.blake2b(digest_size=8), 0
+
+    def answer(self, dtype: Any) -> Any:
+        """A placeholder for a read of a value of ``dtype``, the read noted."""
+        self.answered += 1
+        self.note()
+        floating = dtype.is_floating_point
+        kind = "bool" if str(dtype) == "torch.bool" else "float" if floating else "int"
+        if not self.other:
+            return PLACEHOLDERS[kind]
+        k = self.answered % 13
+        return {"bool": True, "int": 2 + k, "float": 0.25 + k / 4}[kind]
+
+    def digest(self) -> str:
+        """A digest of every allocation and free the log holds so far (keys are the log's
+        counters, the same in two traces that allocate alike)."""
+        events = self.log.events if self.log is not None else []
+        for kind, key, nbytes in events[self._seen :]:
+            self._digest.update(f"{kind}{key}:{nbytes};".encode())
+        self._seen = len(events)
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        """The trace is over: the digest keeps what the log held then."""
+        self.digest()
+        self.log = None
 
     def note(self) -> None:
         """A read; one torch or bitsandbytes makes itself (an optimizer reading its step count,
-        a quantisation map built) is not noted: those are host values, or do not change what is
-        allocated."""
-        frames = [f for f in traceback.extract_stack()[:-2] if not _machinery(f.filename)]
+        a quantisation map built) is not counted as the script's (those are host values, or do
+        not change what is allocated) but is kept on the trail."""
+        frames = [f for f in traceback.extract_stack()[:-3] if not _machinery(f.filename)]
+        where = place(frames, self.script) if self.script is not None else ""
+        if len(self.trail) < TRAIL_MAX:
+            self.trail.append((where, self.digest()))
         if frames and any(d in frames[-1].filename for d in ("/torch/", "/bitsandbytes/")):
             return
         self.count += 1
         if not self.first:
-            self.first = place(frames, self.script)
+            self.first = where
+
+
+# what a healthy run's values are (:class:`Healthy`), by aten operator name
+_MADE = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
+_FILLS = {"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1}
+_KEEPS = frozenset({
+    "_to_copy", "clone", "detach", "alias", "view", "_unsafe_view", "reshape", "squeeze",
+    "unsqueeze", "expand", "lift_fresh", "lift_fresh_copy", "t", "permute", "select", "slice",
+    "contiguous", "any", "all",
+})  # fmt: skip
+_LOGIC = {"logical_or": any, "bitwise_or": any, "logical_and": all, "bitwise_and": all}
+_CHECKS = frozenset({"_amp_foreach_non_finite_check_and_unscale_"})  # healthy: nothing found
+
+
+class Healthy:
+    """What a value read would be in a healthy run, where that needs no data: a NaN or infinity
+    check is false (``isfinite`` true), a tensor filled with a value holds it (``GradScaler``'s
+    ``found_inf``, made zero and written only by the check for infinities), and both survive
+    copies, views, ``any``/``all`` and logic. Anything written in place is forgotten."""
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.of: Any = WeakIdKeyDictionary()
+        self._writes: dict[Any, tuple[int, ...]] = {}
+
+    def value(self, t: Any) -> Any:
+        """The healthy value of ``t`` (None: not known)."""
+        return self.of.get(t)
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """What ``func(*args, **kwargs)`` (which gave ``out``) makes known or forgets."""
+        import torch
+
+        name = func.overloadpacket.__name__
+        if name not in _CHECKS:
+            for i in self._written(func):
+                for t in args[i] if isinstance(args[i], (list, tuple)) else [args[i]]:
+                    if isinstance(t, torch.Tensor):
+                        self.of.pop(t, None)
+        if name in ("fill_", "zero_") and args:
+            fill = 0 if name == "zero_" else args[1]
+            if not isinstance(fill, torch.Tensor):
+                self.of[args[0]] = fill
+            return
+        if not isinstance(out, torch.Tensor):
+            return
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _MADE:
+            self.of[out] = _MADE[name]
+        elif name in _FILLS:
+            self.of[out] = _FILLS[name]
+        elif name in ("full", "new_full", "full_like", "scalar_tensor"):
+            fill = args[0] if name == "scalar_tensor" else args[1] if len(args) > 1 else None
+            if isinstance(fill, (bool, int, float)):
+                self.of[out] = fill
+        elif name == "logical_not" and first is not None and self.value(first) is not None:
+            self.of[out] = not self.value(first)
+        elif name in _LOGIC and len(args) > 1:
+            both = [self.value(a) if isinstance(a, torch.Tensor) else a for a in args[:2]]
+            if all(v is not None for v in both):
+                self.of[out] = _LOGIC[name](bool(v) for v in both)
+        elif name in _KEEPS and first is not None and self.value(first) is not None:
+            v = self.value(first)
+            self.of[out] = bool(v) if name in ("any", "all") else v
+
+    def _written(self, func: Any) -> tuple[int, ...]:
+        """The positions of the arguments ``func`` writes in place."""
+        if func not in self._writes:
+            self._writes[func] = tuple(
+                i
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+            )
+        return self._writes[func]
 
 
 _MACHINERY = (
@@ -93,12 +210,14 @@ def _same(filename: str, script: Path) -> bool:
 
 
 def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
-    """Torch's fake mode, answering a read of a value with a placeholder (:data:`PLACEHOLDERS`)."""
+    """Torch's fake mode, answering a read of a value as a healthy run would (:class:`Healthy`)
+    where that needs no data, else with a placeholder (``reads``)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     aten = torch.ops.aten
     scalar = aten._local_scalar_dense.default
+    healthy = Healthy()
 
     class ScriptFakeMode(FakeTensorMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -118,12 +237,15 @@ def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
             if func is aten.copy_.default and args[1].device.type == "meta":
                 return args[0]  # a weight copied in: the destination holds it already
             if func is scalar:
-                reads.note()
-                dtype = args[0].dtype
+                known, dtype = healthy.value(args[0]), args[0].dtype
+                if known is None:
+                    return reads.answer(dtype)
                 if dtype == torch.bool:
-                    return PLACEHOLDERS["bool"]
-                return PLACEHOLDERS["float" if dtype.is_floating_point else "int"]
-            return super().__torch_dispatch__(func, types, args, kwargs)
+                    return bool(known)
+                return float(known) if dtype.is_floating_point else int(known)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            healthy.after(func, args, kwargs, out)
+            return out
 
     return ScriptFakeMode(allow_non_fake_inputs=allow_real)
 
