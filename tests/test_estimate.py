@@ -568,14 +568,15 @@ def test_the_fsdp2_estimate_scales_with_the_shard_as_real_gloo_ranks_measure(tmp
         counters = cur["OptState"] - est.at_end["optimizer_state"]
         assert 0 < counters <= 4 * 64 and counters % 4 == 0
         # gloo's all-gathers run on their own thread: on a loaded machine the next layer's
-        # gather can land before the root's parameters are resharded, and the tracker's peak
-        # snapshot then holds one decoder layer's parameters more (its Total with them)
+        # gather (and the prefetch after it) can land before the last is resharded, and the
+        # tracker's peak snapshot then holds a decoder layer's parameters more, or two (its
+        # Total with them)
         early = peak["Unsharded Param"] - est.steady["unsharded_parameters"]
-        assert early in (0, layer), (early, layer)
+        assert early in (0, layer, 2 * layer), (rank, early, layer, peak, cur)
         temporaries = peak["OptState"] - cur["OptState"]
-        assert est.steady["optimizer_step_temporaries"] == temporaries
+        assert est.steady["optimizer_step_temporaries"] == temporaries, (rank, peak, cur)
         assert temporaries <= cur["Sharded Param"]
-        assert est.peak == pytest.approx(peak["Total"] - counters - early, rel=0.01)
+        assert est.peak == pytest.approx(peak["Total"] - counters - early, rel=0.01), (rank, peak)
     # step 1's optimizer step (its state made, AdamW's foreach temporaries): the rank's shard
     first = est.first["optimizer_step_temporaries"]
     assert 0 <= first <= est.at_end["parameters"]

@@ -140,6 +140,39 @@ def test_paged_state_is_managed_memory_outside_torchs_pool(tmp_path):
     assert real.optimizer_state_managed == 0
 
 
+def test_a_grad_scaler_steps_as_in_a_healthy_run(tmp_path):
+    """fp16 with ``GradScaler``: its step reads ``found_inf`` (made zero, written only by the
+    check for infinities) and steps the optimizer only when that is zero. Answered as a healthy
+    run answers it (zero), not with a placeholder (1.0 skipped every step: no optimizer state):
+    the fake trace holds the optimizer's state, as the same script on real tensors does."""
+    script = tmp_path / "scaler.py"
+    script.write_text(
+        "import torch\n"
+        "from collector.probe.core import StepProbe\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 16)).cuda()\n"
+        "opt = torch.optim.AdamW(m.parameters())\n"
+        "scaler = torch.amp.GradScaler('cuda')\n"
+        "probe = StepProbe().watch(m, opt)\n"
+        "for i in range(3):\n"
+        "    with probe.step(i):\n"
+        "        with torch.autocast('cuda', dtype=torch.float16):\n"
+        "            loss = m(torch.randn(8, 256, device='cuda')).float().pow(2).mean()\n"
+        "        scaler.scale(loss).backward()\n"
+        "        scaler.step(opt)\n"
+        "        scaler.update()\n"
+        "        opt.zero_grad()\n"
+    )
+    fake, error = estimate_script(script, [])
+    assert not error and fake is not None, error
+    real, error = estimate_script(script, [], real=True)
+    assert not error and real is not None, error
+    adam = 2 * 4 * (256 * 256 + 256 + 256 * 16 + 16)  # exp_avg and exp_avg_sq, float32
+    assert fake.at_end["optimizer_state"] == real.at_end["optimizer_state"] == adam
+    assert fake.spec["optim"] == "AdamW"
+    for kind in HELD:
+        assert fake.steady.get(kind) == real.steady.get(kind), kind
+
+
 def test_a_script_printing_torchs_counters_prints_the_estimates_figures(model_dir):
     """``torch.cuda.memory_allocated``/``max_memory_allocated``/``memory_reserved`` in the script
     are answered from the allocator model: what plain_adamw.py prints after its first step is
@@ -189,6 +222,82 @@ def test_a_line_fake_tensors_cannot_run_is_named(tmp_path, record_fault):
         "bad input: a script fake tensors cannot run (torch.nonzero in its second step)",
         last[:160],
         exit_code=1,
+    )
+
+
+NANOGPT_BATCH = (
+    "import numpy as np, torch\n"
+    "from collector.probe.core import StepProbe\n"
+    "data = np.arange(50_000, dtype=np.uint16) % 256  # a token memmap, as nanoGPT's\n"
+    "emb, head = torch.nn.Embedding(256, 64).cuda(), torch.nn.Linear(64, 256).cuda()\n"
+    "opt = torch.optim.AdamW([*emb.parameters(), *head.parameters()])\n"
+    "probe = StepProbe().watch(emb, opt)\n"
+    "for step in range(3):\n"
+    "    with probe.step(step):\n"
+    "        ix = torch.randint(len(data) - 128, (12,))\n"
+    "        x = torch.stack([torch.from_numpy(data[i:i + 128].astype(np.int64)) for i in ix])\n"
+    "        x = x.to('cuda')\n"
+    "        loss = torch.nn.functional.cross_entropy(head(emb(x)).flatten(0, 1), x.flatten())\n"
+    "        loss.backward()\n"
+    "        opt.step()\n"
+    "        opt.zero_grad()\n"
+    "        print(f'step {step} loss {loss.item():.4f}')\n"
+)
+A_BRANCH = (
+    "import torch\n"
+    "from collector.probe.core import StepProbe\n"
+    "m = torch.nn.Linear(64, 64).cuda()\n"
+    "opt = torch.optim.SGD(m.parameters())\n"
+    "probe = StepProbe().watch(m, opt)\n"
+    "for step in range(3):\n"
+    "    with probe.step(step):\n"
+    "        x = m(torch.randn(8, 64, device='cuda'))\n"
+    "        if (x.sum() > 0).item():  # the data picks the branch\n"
+    "            x = x @ torch.randn(64, 1 << 16, device='cuda')\n"
+    "        x.sum().backward()\n"
+    "        opt.step()\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "line"),
+    [("nanogpt_batch", NANOGPT_BATCH, 10), ("a_branch", A_BRANCH, 9)],
+)
+def test_a_placeholder_that_decides_the_figures_is_named_and_exit_4(
+    tmp_path, name, body, line, record_fault
+):
+    """nanoGPT's ``get_batch`` slices its token array with indices from ``torch.randint``: each
+    index read from a fake tensor is a placeholder, and both ends of the slice read the same one
+    (a batch of 12 × 0 tokens: activations 0). A branch on a value does the same. The second
+    trace with other placeholders gives other figures: the line that read the value is named
+    first, there is no verdict on fitting, and the exit status is 4."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(body)
+    r = _cli("--script", str(script), "--gpu", "24", cwd=tmp_path)
+    assert r.returncode == 4, r.stdout + r.stderr
+    head = r.stdout.splitlines()
+    assert head[1].startswith(
+        f"⚠ Not trustworthy: a value read from a fake tensor at {name}.py:{line} "
+    )
+    assert "Fits:" not in r.stdout and "Does not fit" not in r.stdout
+    assert "Cannot say whether it fits on 24 GiB" in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"stepmem estimate: not trustworthy: a value read from a fake tensor at {name}.py:{line}"
+    )
+    what = name.replace("_", " ")
+    record_fault(
+        f"wrong figure: a placeholder decides the figures ({what})", last[:160], exit_code=4
+    )
+
+
+def test_reads_that_decide_nothing_are_traced_twice_and_trusted(model_dir):
+    """The plain loop reads its loss (``loss.item()``): traced again with other placeholders it
+    allocates the same, so its estimate carries no doubt — and says it was checked."""
+    est, error = estimate_script(SCRIPTS / "plain_adamw.py", [str(model_dir)])
+    assert not error and est is not None and est.undecided == ""
+    assert est.notes[-1] == (
+        "traced again with other placeholders: the same figures, no placeholder decided them"
     )
 
 

@@ -27,7 +27,10 @@ modelled:
 your own script:
   stepmem estimate --script train.py --out est.json -- --its --args
   runs it unchanged on fake tensors to the end of its second probe step (exit 1: stopped early,
-  the steps before printed; exit 2: no step traced).
+  the steps before printed; exit 2: no step traced). A script that reads values of tensors
+  (.item(), int(i), bool(t): answered with placeholders) runs a second time with other
+  placeholders; exit 4: they changed the figures (printed, with the line that read the value,
+  and no verdict on fitting).
 not modelled:
   other processes on the GPU; kernels' internal workspaces other than cuBLAS's (cuDNN, NCCL's
   buffers beyond the calibrated figure); CUDA graphs; data-dependent shapes (the trace stops

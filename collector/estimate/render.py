@@ -159,6 +159,8 @@ def _fit(est: Estimate, f: Callable[[float], str], unit: str) -> list[str]:
         f"({f(card.capacity)} {unit}, less {f(card.driver_reserved)} the driver keeps, "
         f"{f(card.outside_torch)} outside torch{margin}{fraction})"
     )
+    if est.undecided:  # the figures are a placeholder's: no verdict on them
+        return [f"Cannot say whether it fits on {card.name}: a placeholder decided the figures."]
     if fit.fits and not fit.retries:
         return [f"Fits: needs {f(fit.need)} of {of}; headroom {f(fit.headroom)} {unit}."]
     if fit.fits:
@@ -201,7 +203,10 @@ def render(est: Estimate, top: int = 8) -> str:
     def f(b: float) -> str:
         return f"{b / div:.2f}"
 
-    lines = [_headline(est), "", *_table(est, f, unit), *_where(est, f, unit)]
+    lines = [_headline(est)]
+    if est.undecided:
+        lines.append(f"⚠ Not trustworthy: {est.undecided}.")
+    lines += ["", *_table(est, f, unit), *_where(est, f, unit)]
     lines += _held(est, f, unit) + _largest(est)
     if est.modules:
         lines.append("")

@@ -232,6 +232,9 @@ class Estimate:
     largest: SearchResult | None = None
     # how many of the parameters train (LoRA: the adapters); None in estimates made before it
     trainable_count: int | None = None
+    # why these figures are not trustworthy: a value read from a fake tensor (a placeholder)
+    # decided what is allocated ("": none did, or the estimate was made before this was checked)
+    undecided: str = ""
 
     @property
     def script(self) -> bool:
@@ -325,6 +328,7 @@ class Estimate:
                 trainable_count=None
                 if d.get("trainable_count") is None
                 else int(d["trainable_count"]),
+                undecided=_text(d.get("undecided", ""), 1000),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EstimateError(f"estimate: malformed ({_text(exc, 200)})") from None

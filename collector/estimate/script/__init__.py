@@ -9,7 +9,9 @@ through the caching-allocator model and NVML's figure, and whether it fits the G
 * :mod:`.child` — the child: the script under fake tensors, one tracker, the allocation log;
 * :mod:`.steps` — the probe's marks cutting the trace into steps;
 * :mod:`.cuda_api` — ``torch.cuda`` as the script sees it: memory counters answered from the
-  estimate, and CUDA stood in for by the CPU where there is no GPU.
+  estimate, and CUDA stood in for by the CPU where there is no GPU;
+* :mod:`.decided` — whether a placeholder (a value read from a fake tensor) decided the figures:
+  a script that read values is traced a second time with other placeholders, and compared.
 
 The script's side effects are its own (it may write files and reach the network as when it runs
 for real); this process contains it: it runs under stepmem's keeper (:mod:`collector.supervise`:
@@ -29,9 +31,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from collector.estimate.request import EstimateRequest
+from collector.estimate.script.decided import Trace, decided
 from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate
 from collector.model.untrusted import inert, read_json
@@ -77,25 +81,48 @@ def estimate_script(
     """Estimate the script ``req`` names (see the module doc; the request is planned and checked:
     :func:`collector.estimate.request.plan_estimate`). Returns the estimate (None: no step was
     traced) and the error that stopped the script early ("": none); :class:`EstimateError` when
-    the script cannot be run or is stopped at its time limit."""
+    the script cannot be run or is stopped at its time limit. A script that read values of
+    fake tensors runs a second time with other placeholders (:mod:`.decided`): where that
+    changes the figures, the estimate says which read decided them (``Estimate.undecided``)."""
     say = progress or (lambda _m: None)
     assert req.script is not None
-    script, time_limit = req.script.path, req.time_limit
+    script = req.script.path
     if not script.is_file():
         raise EstimateError(f"--script {script}: no such file")
+    say(
+        f"running {script.name} on fake tensors to the end of its second probe step "
+        f"(its output follows; stopped after {req.time_limit:.0f} s)"
+    )
+    first = _child(req, other=False)
+    if first.estimate is None or req.real or not first.answered:
+        return first.estimate, first.error
+    say(
+        f"{script.name} read {first.answered} value(s) of fake tensors, answered with "
+        "placeholders: running it again with other placeholders, to see whether one decided "
+        "what is allocated"
+    )
+    est, line = first.estimate, decided(first, _child(req, other=True))
+    if not line:
+        same = "traced again with other placeholders: the same figures, no placeholder decided them"
+        return replace(est, notes=[*est.notes, same]), first.error
+    return replace(est, undecided=line), first.error
+
+
+def _child(req: EstimateRequest, other: bool) -> Trace:
+    """One run of the child (the script traced; ``other``: with the second placeholders)."""
+    assert req.script is not None
+    script, time_limit = req.script.path, req.time_limit
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_root(), env.get("PYTHONPATH")) if p)
     env.update(SCRIPT_ENV)
     env.pop("STEPMEM_ESTIMATE", None)  # the probe's "predicted peak" input, not this
+    env.setdefault("PYTHONHASHSEED", "0")  # both traces iterate sets and dicts alike
     token = f"{os.getpid()}-{secrets.token_hex(6)}"
     env[OWNER] = token  # inherited by everything the script starts, whatever session it makes
     with tempfile.TemporaryDirectory(prefix="stepmem-estimate-") as tmp:
         result, req_file = Path(tmp) / "result.json", Path(tmp) / "request.json"
-        req_file.write_text(json.dumps({"request": req.to_dict(), "result": str(result)}))
-        say(
-            f"running {script.name} on fake tensors to the end of its second probe step "
-            f"(its output follows; stopped after {time_limit:.0f} s)"
-        )
+        doc = {"request": req.to_dict(), "result": str(result), "other_placeholders": other}
+        req_file.write_text(json.dumps(doc))
         proc = subprocess.Popen(  # under the keeper: a process group of its own, ended with
             # this process even when it is killed outright
             supervised([sys.executable, "-m", "collector.estimate.script.child", str(req_file)]),
@@ -143,7 +170,7 @@ def _reap_left(token: str) -> None:
     )
 
 
-def _read(result: Path, code: int, script: Path) -> tuple[Estimate | None, str]:
+def _read(result: Path, code: int, script: Path) -> Trace:
     """The child's result file, as untrusted data (the script could have written it): bounded,
     strict JSON, shallow (:func:`collector.model.untrusted.read_json`), then checked field by
     field."""
@@ -159,6 +186,7 @@ def _read(result: Path, code: int, script: Path) -> tuple[Estimate | None, str]:
     try:
         error = inert(str(d.get("error") or ""))[:1000]
         est = Estimate.from_dict(d["estimate"]) if d.get("estimate") is not None else None
-    except (ValueError, AttributeError, KeyError, TypeError) as exc:
+        reads = Trace.reads_from(d.get("reads"))
+    except (ValueError, AttributeError, KeyError, TypeError, OverflowError) as exc:
         raise EstimateError(f"--script {script.name}: unreadable result ({exc})") from None
-    return est, error
+    return Trace(est, error, **reads)

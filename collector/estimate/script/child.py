@@ -146,7 +146,13 @@ class _Run:
     """One script's trace: its parts, and what came of running it."""
 
     def __init__(
-        self, script: Path, cuda: bool, device: Any, allocator: AllocatorConfig, real: bool
+        self,
+        script: Path,
+        cuda: bool,
+        device: Any,
+        allocator: AllocatorConfig,
+        real: bool,
+        other: bool = False,
     ) -> None:
         self.script, self.cuda, self.device, self.real = script, cuda, device, real
         self.tracker = tracker()
@@ -156,7 +162,7 @@ class _Run:
         self.steps = ScriptSteps(self.tracker, self.log, device, live=self.live)
         choose = cuda_rules.dispatcher_choice(device) if cuda else cuda_rules.rules_choice
         self.attention = cuda_rules.CudaAttention(None, choose)
-        self.reads = Reads(script)
+        self.reads = Reads(script, self.log, other)
         self.error = ""
         self.ended = False  # the script ran to its end (or exit) before the steps were traced
 
@@ -196,6 +202,7 @@ class _Run:
             marks.listen(self.steps)
             self.log.mark(Phase.BUILD)
             self._run_script(args)
+            self.reads.close()  # the trace's allocations, all in its last digest
             if not self.steps.models:
                 self.steps.models = roots.found[:1]
             self._drop_step_counters()
@@ -294,11 +301,13 @@ def trace_script(
     target: Target | None,
     card: Card,
     real: bool = False,
-) -> tuple[Estimate | None, str]:
-    """Run ``script`` with ``args`` under the estimate; its estimate (None: no step traced)
-    and the error that stopped it early ("" when none did). ``real``: the same steps traced on
-    real tensors (the tests hold the fake trace to it): without the fake mode and CUDA's
-    kernels' rules; without a GPU, CUDA still stood in for by the CPU."""
+    other: bool = False,
+) -> tuple[Estimate | None, str, Reads]:
+    """Run ``script`` with ``args`` under the estimate; its estimate (None: no step traced),
+    the error that stopped it early ("" when none did) and the values it read. ``real``: the
+    same steps traced on real tensors (the tests hold the fake trace to it): without the fake
+    mode and CUDA's kernels' rules; without a GPU, CUDA still stood in for by the CPU.
+    ``other``: values read answered with the second set of placeholders."""
     build.offline()
     import torch
 
@@ -307,22 +316,23 @@ def trace_script(
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    run = _Run(script, cuda, device, allocator, real)
+    run = _Run(script, cuda, device, allocator, real, other)
     hook = _optimizers_seen(run.steps)
     try:
         run.run(args, card)
     finally:
         hook.remove()
     if not run.steps.steps:
-        return None, run.error or (
+        why = run.error or (
             f"{script.name} ran to its end without a probe step: add the probe's lines (README, "
             "'Estimate your own script') or its Hugging Face or Lightning callback"
             if run.ended
             else f"{script.name}: stopped before its first probe step ended"
         )
+        return None, why, run.reads
     out = _result(run, args, time.monotonic() - t0)
     hold_steps(out, run.log, allocator, target)
-    return out, run.error
+    return out, run.error, run.reads
 
 
 def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
@@ -399,15 +409,20 @@ def main(argv: list[str] | None = None) -> int:
     req = EstimateRequest.from_dict(doc["request"])
     assert req.script is not None
     sys.stdout = sys.stderr  # the script's prints are not the estimate
-    est, error = trace_script(
+    est, error, reads = trace_script(
         req.script.path,
         list(req.script.args),
         req.allocator,
         req.target,
         req.counters_card,
         req.real,
+        bool(doc.get("other_placeholders")),
     )
-    result = {"estimate": est.to_dict() if est else None, "error": error}
+    result = {
+        "estimate": est.to_dict() if est else None,
+        "error": error,
+        "reads": {"answered": reads.answered, "trail": reads.trail, "end": reads.digest()},
+    }
     atomic_write(Path(doc["result"]), json.dumps(result))
     return 0
 
