@@ -173,6 +173,36 @@ def test_a_grad_scaler_steps_as_in_a_healthy_run(tmp_path):
         assert fake.steady.get(kind) == real.steady.get(kind), kind
 
 
+def test_a_script_that_asks_torch_accelerator_takes_its_gpu_branch(tmp_path):
+    """pytorch/examples' scripts pick their device with ``torch.accelerator``: under the
+    estimate it answers as the GPU would (CUDA, one device), also on the CPU stand-in, and its
+    memory counters are the estimate's, as ``torch.cuda``'s are."""
+    script = tmp_path / "accel.py"
+    script.write_text(
+        "import torch\n"
+        "from collector.probe.core import StepProbe\n"
+        "use = torch.accelerator.is_available()\n"
+        "device = torch.accelerator.current_accelerator() if use else torch.device('cpu')\n"
+        "assert device.type == 'cuda' and torch.accelerator.device_count() == 1, device\n"
+        "m = torch.nn.Linear(512, 512).to(device)\n"
+        "opt = torch.optim.SGD(m.parameters())\n"
+        "probe = StepProbe().watch(m, opt)\n"
+        "for i in range(3):\n"
+        "    with probe.step(i):\n"
+        "        m(torch.randn(16, 512, device=device)).sum().backward()\n"
+        "        opt.step()\n"
+        "        torch.accelerator.synchronize()\n"
+        "    if i == 1 and hasattr(torch.accelerator, 'max_memory_allocated'):\n"
+        "        a = torch.accelerator.max_memory_allocated()\n"
+        "        c = torch.cuda.max_memory_allocated()\n"
+        "        assert a == c > 512 * 512 * 4, (a, c)\n"
+    )
+    est, error = estimate_script(script, [])
+    assert not error and est is not None, error
+    assert est.at_end["parameters"] == (512 * 512 + 512) * 4
+    assert est.steady["gradients"] == (512 * 512 + 512) * 4
+
+
 def test_a_script_printing_torchs_counters_prints_the_estimates_figures(model_dir):
     """``torch.cuda.memory_allocated``/``max_memory_allocated``/``memory_reserved`` in the script
     are answered from the allocator model: what plain_adamw.py prints after its first step is

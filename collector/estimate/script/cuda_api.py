@@ -7,7 +7,8 @@ CPU.
   ``reset_peak_memory_stats``, ``empty_cache`` and ``mem_get_info`` are read from
   :class:`LiveAllocator`, which plays the allocation log through the caching-allocator model as
   the script runs. A script that prints them prints predicted values.
-* **CUDA on the CPU** (:func:`cuda_on_cpu`): ``torch.cuda.is_available()`` is true, one device;
+* **CUDA on the CPU** (:func:`cuda_on_cpu`): ``torch.cuda.is_available()`` is true, one device
+  (``torch.accelerator`` says the same: CUDA, one device, index 0);
   every tensor a script puts on ``"cuda"`` (``device=``, ``.to()``, ``.cuda()``, a module's
   ``.cuda()``) is made on the CPU, where the estimate's CUDA rules apply;
   ``torch.autocast("cuda")`` runs as the CPU's autocast with CUDA's cast lists
@@ -94,7 +95,22 @@ def counters_answered(live: LiveAllocator, capacity: int, outside: int) -> Itera
         "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
     }
-    with swapped(torch.cuda, **answers), swapped(torch.cuda.memory, **answers):
+    accelerator = {  # torch.accelerator's memory queries (torch 2.8 on), the same answers
+        "memory_allocated": answers["memory_allocated"],
+        "max_memory_allocated": answers["max_memory_allocated"],
+        "memory_reserved": answers["memory_reserved"],
+        "max_memory_reserved": answers["max_memory_reserved"],
+        "memory_stats": answers["memory_stats"],
+        "reset_peak_memory_stats": answers["reset_peak_memory_stats"],
+        "empty_cache": empty_cache,
+        "get_memory_info": mem_get_info,
+    }
+    present = {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}
+    with (
+        swapped(torch.cuda, **answers),
+        swapped(torch.cuda.memory, **answers),
+        swapped(torch.accelerator, **present),
+    ):
         yield
 
 
@@ -197,8 +213,21 @@ def cuda_on_cpu(
         "init": lambda: None,
         "_lazy_init": lambda: None,
     }
+    cuda = torch.device("cuda", 0)
+    accelerator: dict[str, Callable[..., Any]] = {  # torch.accelerator: CUDA, as on the GPU
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_accelerator": lambda check_available=False: cuda,
+        "current_device_index": lambda: 0,
+        "current_device_idx": lambda: 0,
+        "set_device_index": lambda device: None,
+        "set_device_idx": lambda device: None,
+        "synchronize": lambda device=None: None,
+    }
+    present = {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}
     with (
         swapped(torch.cuda, **answers),
+        swapped(torch.accelerator, **present),
         _autocast_seen(on_autocast, to_cpu=True),
         _device_mode(),
     ):
