@@ -185,7 +185,7 @@ def test_a_script_that_asks_torch_accelerator_takes_its_gpu_branch(tmp_path):
         "device = torch.accelerator.current_accelerator() if use else torch.device('cpu')\n"
         "assert device.type == 'cuda' and torch.accelerator.device_count() == 1, device\n"
         "m = torch.nn.Linear(512, 512).to(device)\n"
-        "opt = torch.optim.SGD(m.parameters())\n"
+        "opt = torch.optim.AdamW(m.parameters())  # it asks the accelerator's stream\n"
         "probe = StepProbe().watch(m, opt)\n"
         "for i in range(3):\n"
         "    with probe.step(i):\n"

@@ -114,6 +114,26 @@ def counters_answered(live: LiveAllocator, capacity: int, outside: int) -> Itera
         yield
 
 
+class _Stream:
+    """What ``torch.accelerator.current_stream()`` gives on the stand-in: CUDA's default stream,
+    never capturing a graph (the optimizers ask before each step)."""
+
+    def __init__(self, device: Any) -> None:
+        self.device, self.stream_id, self.device_index = device, 0, 0
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+
 class _Props:
     """What ``torch.cuda.get_device_properties`` says of the stand-in."""
 
@@ -223,6 +243,7 @@ def cuda_on_cpu(
         "set_device_index": lambda device: None,
         "set_device_idx": lambda device: None,
         "synchronize": lambda device=None: None,
+        "current_stream": lambda device=None: _Stream(cuda),
     }
     present = {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}
     with (
