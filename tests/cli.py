@@ -8,6 +8,23 @@ import sys
 
 import pytest
 
+# sets a signal's disposition or a resource limit, then becomes the command (exec keeps both)
+_LAUNCH = (
+    "import os, resource, signal, sys\n"
+    "sig, fsize, *cmd = sys.argv[1:]\n"
+    "if sig: signal.signal(signal.SIGINT, getattr(signal, sig))\n"
+    "if fsize: resource.setrlimit(resource.RLIMIT_FSIZE, (int(fsize), int(fsize)))\n"
+    "os.execv(cmd[0], cmd)\n"
+)
+
+
+def launched(cmd: list[str], *, sigint: str = "", fsize: int | None = None) -> list[str]:
+    """``cmd`` started with SIGINT set to ``sigint`` ("SIG_IGN", "SIG_DFL") and/or a file-size
+    limit, by a small launcher that then execs it — never ``preexec_fn``: that forks the test
+    process, a Ray driver whose gRPC threads do not survive a fork (after Ray Train had run, the
+    session cluster's GCS calls then hung: ray.nodes() never answered)."""
+    return [sys.executable, "-c", _LAUNCH, sigint, str(fsize or ""), *cmd]
+
 
 def stepmem(*args, timeout=240):
     return subprocess.run(
@@ -18,16 +35,16 @@ def stepmem(*args, timeout=240):
     )
 
 
-def start_run(tmp_path, run_id, *args, **popen):
-    """`stepmem run ARGS` in a process of its own, its store in tmp_path/runs/RUN_ID; returned
-    once that store holds its first samples (at most 120 s)."""
+def start_run(tmp_path, run_id, *args, sigint: str = "", **popen):
+    """`stepmem run ARGS` in a process of its own (SIGINT set to ``sigint`` where given), its
+    store in tmp_path/runs/RUN_ID; returned once that store holds its first samples (at most
+    120 s)."""
     import time
 
     runs = tmp_path / "runs"
     store = ("--store", str(runs), "--run-id", run_id)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collector.cli", "run", *args, *store], text=True, **popen
-    )
+    cmd = [sys.executable, "-m", "collector.cli", "run", *args, *store]
+    proc = subprocess.Popen(launched(cmd, sigint=sigint) if sigint else cmd, text=True, **popen)
     deadline = time.monotonic() + 120
     while not list((runs / run_id / "samples").glob("*/part-*")):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -14,7 +14,7 @@ from collector.model.step import StepRecord
 from collector.replay import Capture, resolve_capture
 from collector.store import RunStore, RunWriter
 from tests.caps import stepped
-from tests.cli import bad_input, one_line_error, start_run, stepmem
+from tests.cli import bad_input, launched, one_line_error, start_run, stepmem
 from tests.records import RECORDS
 
 
@@ -255,7 +255,7 @@ def test_sigterm_mid_run_leaves_a_complete_interrupted_store(tmp_path, sig, reco
         stderr=subprocess.PIPE,
         # A shell's background job starts with SIGINT ignored, and so would the child: give it
         # the default disposition, as a terminal's Ctrl-C meets it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        sigint="SIG_DFL",
     )
     time.sleep(2.5)  # inside step 1 of the replay
     proc.send_signal(getattr(signal, sig))
@@ -474,15 +474,10 @@ def test_other_outputs_and_commands_that_cannot_be_used_are_one_line(
 def test_ray_that_cannot_start_is_one_line_not_a_bug(record_fault):
     """N7: a file-size limit stops Ray's GCS from starting; the run says so in one line, exit
     2, naming Ray's log (it said "this is a bug in stepmem", exit 70)."""
-    import resource
-
-    def small_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024, 8 * 1024))
-
     argv = ["run", "--speed", "4", "--no-store", "--steps", "1"]
     r = subprocess.run(
-        [sys.executable, "-m", "collector.cli", *argv],
-        capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+        launched([sys.executable, "-m", "collector.cli", *argv], fsize=8 * 1024),
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("stepmem run:")]

@@ -22,7 +22,7 @@ import pytest
 
 from collector.store import RunStore
 from tests.caps import GIB, MIB, stepped
-from tests.cli import stepmem
+from tests.cli import launched, stepmem
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.ray
@@ -449,20 +449,17 @@ def _children(pid: int, name: bytes) -> list[int]:
     return out
 
 
-def _sigint_ignored() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job starts
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_during_a_capture_keeps_what_was_recorded(tmp_path, sig, record_fault):
     """Ctrl-C, or SIGTERM, stops a capture and keeps what it recorded — also when the capture
     was started with SIGINT ignored (a background job of a shell, ``nohup … &``: Python then
     installs no handler of its own)."""
     out = tmp_path / "partial.capture.parquet"
-    proc = subprocess.Popen([*CLI, "capture", "--backend", "replay", "--capture", "spiky",
-                             "--out", str(out), "--", "sleep", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_sigint_ignored)  # fmt: skip
+    # SIGINT ignored, as a shell's background job starts
+    proc = subprocess.Popen(launched([*CLI, "capture", "--backend", "replay", "--capture",
+                                      "spiky", "--out", str(out), "--", "sleep", "60"],
+                                     sigint="SIG_IGN"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     # the signal once the capture is recording: its command (a child of the capture) is running
     wait_for(lambda: _children(proc.pid, b"sleep"), timeout=120)
     time.sleep(1)  # a second of samples to keep

@@ -220,3 +220,27 @@ def test_every_deferred_import_names_what_exists(tmp_path):
         for p in sorted((ROOT / d).rglob("*.py"))
     ]
     assert _unresolved(ours) == []
+
+
+def _forks(source: str) -> list[int]:
+    """Lines of calls that pass ``preexec_fn``: subprocess then forks this process (no vfork).
+    In a Ray driver — the job, the test session with its cluster — a fork can leave the GCS
+    unanswering (seen: after Ray Train, ray.nodes() hung and every later sampler with it)."""
+    import ast
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and any(k.arg == "preexec_fn" for k in node.keywords)
+    ]
+
+
+def test_nothing_forks_a_process_that_may_be_a_ray_driver():
+    assert _forks("import subprocess\nsubprocess.run(['true'], preexec_fn=lambda: None)\n") == [2]
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for top in ("collector", "tests", "workloads", "benchmarks")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if (lines := _forks(path.read_text()))
+    }
+    assert found == {}, "start it through tests.cli.launched (a launcher that execs) instead"
