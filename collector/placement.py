@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,63 @@ def _node_gpus() -> list[dict[str, Any]]:
         return []
 
 
+NODES_TIMEOUT_S = 60.0  # ray.nodes() has no timeout: it waits for ever on a GCS that never answers
+READY_TIMEOUT_S = 120.0  # a sampler actor's first answer (its process started, its backend open)
+
+
 def _alive_nodes() -> list[str]:
-    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    """The alive nodes' ids, asked of the GCS within :data:`NODES_TIMEOUT_S` (a thread of its
+    own: the call cannot be interrupted); a GCS that does not answer is one line, not a hang."""
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answer["nodes"] = ray.nodes()
+        except Exception as exc:  # handed to the caller below
+            answer["error"] = exc
+
+    asking = threading.Thread(target=ask, name="stepmem-ray-nodes", daemon=True)
+    asking.start()
+    asking.join(NODES_TIMEOUT_S)
+    if "nodes" not in answer:
+        why = (
+            f"it failed: {answer['error']}"
+            if "error" in answer
+            else (f"it did not answer within {NODES_TIMEOUT_S:g} s")
+        )
+        raise StepmemError(f"cannot list the Ray cluster's nodes ({why}); is its head alive?")
+    return [n["NodeID"] for n in answer["nodes"] if n.get("Alive")]
+
+
+def _first_answers(launched: list[tuple[str, str, str, Any]], run_id: str) -> list[SamplerInfo]:
+    """Each launched sampler's :class:`SamplerInfo`; samplers that did not answer within
+    :data:`READY_TIMEOUT_S` are killed and named (a node whose raylet is gone, a machine so
+    loaded no worker starts)."""
+    refs = [handle.info.remote() for *_, handle in launched]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=READY_TIMEOUT_S)
+    if len(ready) == len(refs):
+        return ray.get(refs)
+    done = set(ready)
+    silent = [one for one, ref in zip(launched, refs, strict=True) if ref not in done]
+    for one, ref in zip(launched, refs, strict=True):  # a half-started launch leaves nothing
+        if ref not in done or _ours(ref, run_id):  # (another launch's sampler stays)
+            ray.kill(one[3], no_restart=True)
+    node_id, uuid = silent[0][0], silent[0][1]
+    more = f" ({len(silent)} of {len(refs)} samplers)" if len(silent) > 1 else ""
+    raise StepmemError(
+        f"the sampler of GPU {uuid} on node {node_id[:12]} did not start within "
+        f"{READY_TIMEOUT_S:g} s{more}: its node's raylet may be gone or the machine too loaded "
+        "to start a worker; Ray's logs say which"
+    )
+
+
+def _ours(ref: Any, run_id: str) -> bool:
+    """Whether the sampler that answered ``ref`` was started for ``run_id`` (one that died
+    answering is nobody's: it goes too)."""
+    try:
+        return ray.get(ref).run_id == run_id
+    except ray.exceptions.RayError:
+        return True
 
 
 def _gpus_on(node_id: str, spec: BackendSpec) -> list[dict[str, Any]]:
@@ -119,7 +175,7 @@ def launch_samplers(
             "no GPU found on any alive Ray node for the nvml backend; on a machine without GPUs "
             "use the replay backend (--backend replay)"
         )
-    infos = ray.get([handle.info.remote() for *_, handle in launched], timeout=120)
+    infos = _first_answers(launched, options.run_id)
     placed = [PlacedSampler(*one, info) for one, info in zip(launched, infos, strict=True)]
     failed = [p for p in placed if p.info.error]
     if failed:

@@ -148,3 +148,41 @@ def test_a_metrics_port_base_gives_gpu_i_port_base_plus_i(kill_samplers):
     kill_samplers.extend(p.handle for p in placed)
     ports = {p.info.index: p.info.metrics_port for p in placed}
     assert ports == {0: base, 1: base + 1}
+
+
+def test_a_gcs_that_never_answers_is_one_line_not_a_hang(monkeypatch):
+    """``ray.nodes()`` has no timeout of its own: on a head that accepts but never answers it
+    waits for ever (seen in CI). The launch asks it within a bound and says so in one line."""
+    import threading
+
+    import collector.placement as placement
+
+    release = threading.Event()
+    monkeypatch.setattr(placement.ray, "nodes", lambda: release.wait(30) and [])
+    monkeypatch.setattr(placement, "NODES_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(StepmemError, match=r"nodes \(it did not answer within 0.2 s\)"):
+            launch_samplers(BackendSpec("replay", captures=["idle"], gpus=1), loopback())
+    finally:
+        release.set()
+
+
+@ray.remote(num_cpus=0)
+class _Silent:
+    """A sampler that never gives its first answer (its node's raylet gone, a worker that never
+    starts)."""
+
+    def info(self):
+        time.sleep(3600)
+
+
+def test_samplers_that_never_answer_are_named_and_none_is_left(ray_cluster, monkeypatch):
+    import collector.placement as placement
+
+    monkeypatch.setattr(placement, "READY_TIMEOUT_S", 1.0)
+    silent = _Silent.remote()
+    node = ray.get_runtime_context().get_node_id()
+    with pytest.raises(StepmemError, match=r"the sampler of GPU GPU-x on node .* did not start"):
+        placement._first_answers([(node, "GPU-x", "stepmem:test", silent)], "r1")
+    with pytest.raises(ray.exceptions.RayActorError):  # killed, not left sleeping
+        ray.get(silent.info.remote(), timeout=60)
