@@ -8,8 +8,11 @@ through the caching-allocator model and NVML's figure, and whether it fits the G
 
 * :mod:`.child` — the child: the script under fake tensors, one tracker, the allocation log;
 * :mod:`.steps` — the probe's marks cutting the trace into steps;
-* :mod:`.cuda_api` — ``torch.cuda`` as the script sees it: memory counters answered from the
-  estimate, and CUDA stood in for by the CPU where there is no GPU;
+* :mod:`.counters` — ``torch.cuda``'s memory queries answered from the estimate (counters,
+  ``memory_stats``/``memory_summary``, snapshots and their history, the memory fraction);
+* :mod:`.cuda_api` — CUDA stood in for by the CPU where there is no GPU, and :mod:`.stand_ins`
+  the rest of ``torch.cuda`` there (events, streams, NVTX, RNG state, graphs);
+* :mod:`.said` — the script's error and warnings, named at its own line;
 * :mod:`.decided` — whether a placeholder (a value read from a fake tensor) decided the figures:
   a script that read values is traced a second time with other placeholders, and compared.
 

@@ -10,8 +10,9 @@ on ``sys.path``, ``sys.argv`` its own) under:
   ``bool(t)`` — are answered with placeholders, and the first line that read one is noted);
 * one :class:`~torch.distributed._tools.mem_tracker.MemTracker` and one allocation log for the
   whole script, cut into steps by its probe marks (:mod:`.steps`);
-* ``torch.cuda``'s memory counters answered from the estimate (:mod:`.cuda_api`) — and, without
-  a GPU, CUDA stood in for by the CPU, with CUDA's autocast, attention and dropout rules.
+* ``torch.cuda``'s memory queries answered from the estimate (:mod:`.counters`) — and, without
+  a GPU, CUDA stood in for by the CPU, with CUDA's autocast, attention and dropout rules
+  (:mod:`.cuda_api`), and the rest of ``torch.cuda`` by stand-ins (:mod:`.stand_ins`).
 
 The script's output goes to the estimate's standard error; the estimate is the parent's to print.
 """
@@ -23,8 +24,8 @@ import json
 import runpy
 import sys
 import time
-import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,17 @@ from collector.estimate.fakes import (
     fake_deepcopy,
     fake_mode,
     parameter_subclasses,
-    place,
     pools_inline,
 )
 from collector.estimate.fit import Target
 from collector.estimate.gpus import Card
 from collector.estimate.lora import import_bitsandbytes
 from collector.estimate.request import EstimateRequest
-from collector.estimate.script.cuda_api import LiveAllocator, counters_answered, cuda_on_cpu
+from collector.estimate.script.counters import LiveAllocator, counters_answered
+from collector.estimate.script.cuda_api import cuda_on_cpu
 from collector.estimate.script.paged import paged_state
+from collector.estimate.script.said import describe, warnings_at
+from collector.estimate.script.stand_ins import Graphs, raw_allocations
 from collector.estimate.script.steps import ScriptSteps
 from collector.estimate.script.weights import headers_only
 from collector.estimate.tracing import (
@@ -68,14 +71,6 @@ from collector.model.prediction import Estimate
 from collector.model.quantised import parameter_counts
 
 __all__ = ["main", "trace_script"]
-
-_FAKE_ERRORS = (
-    "DataDependentOutputException",
-    "DynamicOutputShapeException",
-    "UnsupportedOperatorException",
-    "UnsupportedFakeTensorException",
-    "GuardOnDataDependentSymNode",
-)
 
 
 class _Roots:
@@ -104,21 +99,6 @@ class _Roots:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def describe(exc: BaseException, script: Path) -> str:
-    """The error that stopped the script, named at the script's own line."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    at = place(frames, script) or script.name
-    inner = frames[-1] if frames else None
-    where = f" (in {Path(inner.filename).name}:{inner.lineno})" if inner else ""
-    text = " ".join(str(exc).split())[:240]
-    name = type(exc).__name__
-    fake = name in _FAKE_ERRORS or any(
-        s in text for s in ("FakeTensor", "fake tensor", "data pointer", "Meta", "meta tensor")
-    )
-    what = "cannot run on fake tensors" if fake else "the script raised"
-    return f"{at}: {what}: {name}: {text}{where}"
 
 
 @contextlib.contextmanager
@@ -175,6 +155,8 @@ class _Run:
             stack.enter_context(cuda_rules.cuda_autocast(dtype))
 
     def run(self, args: list[str], card: Any) -> None:
+        import torch
+
         with contextlib.ExitStack() as st:
             st.enter_context(quiet())
             st.enter_context(exact_bytes())
@@ -183,7 +165,13 @@ class _Run:
                 if not self.cuda:
                     st.enter_context(cuda_rules.cuda_dropout())
             st.enter_context(
-                cuda_on_cpu(card.name, card.capacity, lambda d: self.on_autocast(d, st), self.cuda)
+                cuda_on_cpu(
+                    card.name,
+                    card.capacity,
+                    lambda d: self.on_autocast(d, st),
+                    self.cuda,
+                    lambda: self.reads.answer(torch.float32),
+                )
             )
             st.enter_context(cuda_optimizer_defaults(stand_in=not self.cuda))
             if not self.real:
@@ -195,6 +183,7 @@ class _Run:
             if not self.real:  # on real CPU tensors bitsandbytes keeps paged state on the device
                 st.enter_context(paged_state(self.tracker, self.log))
             st.enter_context(counters_answered(self.live, card.capacity, card.outside_torch))
+            st.enter_context(raw_allocations(self.device))
             roots = _Roots()
             self.steps.roots = roots.found
             st.callback(roots.close)
@@ -223,7 +212,7 @@ class _Run:
 
     def _run_script(self, args: list[str]) -> None:
         try:
-            with _as_main(self.script, args), _warnings_at(self.script):
+            with _as_main(self.script, args), warnings_at(self.script):
                 runpy.run_path(str(self.script), run_name="__main__")
             self.ended = True
         except marks.TraceDone:
@@ -248,36 +237,6 @@ class _Run:
         for d in (*self.steps.per_step, self.steps.at_end):
             if n and d.get(MemoryKind.OPTIMIZER_STATE, 0) >= n:
                 d[MemoryKind.OPTIMIZER_STATE] -= n
-
-
-_PACKAGE = str(Path(__file__).resolve().parents[2])  # collector/
-
-
-@contextlib.contextmanager
-def _warnings_at(script: Path) -> Iterator[None]:
-    """A warning torch raises inside the stand-in's or the fake mode's frames (``float(loss)``
-    of a tensor that needs grad) is shown at the script's line that caused it, not at
-    stepmem's: it is the script's, and stepmem's file name made it look like ours. Costs
-    nothing per operation: only a warning being shown walks the stack."""
-    import warnings
-
-    shown = warnings.showwarning
-    here = str(script.resolve())
-
-    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        if str(filename).startswith(_PACKAGE):
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code.co_filename != here:
-                frame = frame.f_back
-            if frame is not None:
-                filename, lineno, line = here, frame.f_lineno, None
-        shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-    try:
-        yield
-    finally:
-        warnings.showwarning = shown
 
 
 def _before_the_stand_in() -> None:
@@ -331,8 +290,16 @@ def trace_script(
         )
         return None, why, run.reads
     out = _result(run, args, time.monotonic() - t0)
-    hold_steps(out, run.log, allocator, target)
+    hold_steps(out, run.log, allocator, _held_against(target, run.live.fraction))
     return out, run.error, run.reads
+
+
+def _held_against(target: Target | None, fraction: float | None) -> Target | None:
+    """``target`` with the share the script gave ``set_per_process_memory_fraction`` (the lower
+    of it and ``--memory-fraction`` when both are given), as torch would apply it."""
+    if target is None or fraction is None or fraction <= 0:
+        return target
+    return replace(target, fraction=min(fraction, target.fraction or 1.0))
 
 
 def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
@@ -395,6 +362,17 @@ def _notes(run: _Run, traced: int) -> list[str]:
         notes.append(
             "one step traced: optimizer state made in its optimizer step is not held through a "
             "second step's forward and backward here"
+        )
+    if run.live.fraction is not None:
+        notes.append(
+            f"the script calls set_per_process_memory_fraction({run.live.fraction:g}): the step "
+            "is held against that share of the card"
+        )
+    if not run.cuda and Graphs.captured:
+        notes.append(
+            f"{Graphs.captured} CUDA graph capture(s): the captured code traced once, as the "
+            "capture runs it; a replay allocates nothing more (the graph's private pool is not "
+            "modelled apart from the caching allocator's)"
         )
     if run.error:
         notes.append(f"stopped early: {run.error}")

@@ -1,12 +1,8 @@
-"""``torch.cuda`` as a script under the estimate sees it: its memory counters answered from the
-estimate's own accounting, and — on a machine without a GPU — CUDA itself stood in for by the
-CPU.
+"""``torch.cuda`` as a script under the estimate sees it on a machine without a GPU: CUDA
+stood in for by the CPU (its memory queries are the estimate's on a GPU too:
+:mod:`.counters`; the rest of ``torch.cuda`` — events, streams, graphs, RNG state —
+:mod:`.stand_ins`).
 
-* **Memory counters** (on a GPU too: fake tensors hold no memory, so torch's own counters would
-  say 0): ``memory_allocated``, ``memory_reserved``, their ``max_*``, ``memory_stats``,
-  ``reset_peak_memory_stats``, ``empty_cache`` and ``mem_get_info`` are read from
-  :class:`LiveAllocator`, which plays the allocation log through the caching-allocator model as
-  the script runs. A script that prints them prints predicted values.
 * **CUDA on the CPU** (:func:`cuda_on_cpu`): ``torch.cuda.is_available()`` is true, one device
   (``torch.accelerator`` says the same: CUDA, one device, index 0);
   every tensor a script puts on ``"cuda"`` (``device=``, ``.to()``, ``.cuda()``, a module's
@@ -21,117 +17,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from collector.estimate.alloc_log import AllocationLog
-from collector.estimate.allocator import AllocatorConfig, CachingAllocator
+from collector.estimate.script.stand_ins import Stream, stand_ins
 from collector.estimate.swap import swapped
 
-__all__ = ["LiveAllocator", "counters_answered", "cuda_on_cpu"]
-
-
-class LiveAllocator:
-    """The allocator model fed the log's events as they happen: torch's counters, predicted."""
-
-    def __init__(self, log: AllocationLog, config: AllocatorConfig) -> None:
-        self.log = log
-        self.model = CachingAllocator(config)
-        self.handles: dict[Any, int] = {}
-        self.seen = 0
-
-    def sync(self) -> Any:
-        events = self.log.events
-        for kind, key, nbytes in events[self.seen :]:
-            if kind == "a":
-                self.handles[key] = self.model.malloc(nbytes, self.log.streams.get(key, 0))
-            elif kind == "f":
-                h = self.handles.pop(key, None)
-                if h is not None:
-                    self.model.free(h)
-            elif kind == "e":
-                self.model.empty_cache()
-        self.seen = len(events)
-        return self.model.stats
-
-    def reset_peaks(self) -> None:
-        self.sync()
-        self.model.reset_peaks()
-
-    def memory_stats(self) -> dict[str, int]:
-        s = self.sync()
-        out = {}
-        for name, now, peak in (
-            ("allocated_bytes", s.allocated, s.allocated_peak),
-            ("reserved_bytes", s.reserved, s.reserved_peak),
-        ):
-            out[f"{name}.all.current"] = now
-            out[f"{name}.all.peak"] = peak
-        out["num_alloc_retries"] = s.num_alloc_retries
-        return out
-
-
-@contextlib.contextmanager
-def counters_answered(live: LiveAllocator, capacity: int, outside: int) -> Iterator[None]:
-    """``torch.cuda``'s memory counters answered by ``live`` (see the module doc); ``capacity``
-    and ``outside`` (this process's memory outside torch) make ``mem_get_info``'s answer."""
-    import torch
-
-    def stat(name: str) -> Callable[..., int]:
-        return lambda device=None: getattr(live.sync(), name)
-
-    def empty_cache() -> None:
-        live.log.events.append(("e", None, 0))
-
-    def mem_get_info(device: Any = None) -> tuple[int, int]:
-        used = live.sync().reserved + outside
-        return max(0, capacity - used), capacity
-
-    answers = {
-        "memory_allocated": stat("allocated"),
-        "max_memory_allocated": stat("allocated_peak"),
-        "memory_reserved": stat("reserved"),
-        "max_memory_reserved": stat("reserved_peak"),
-        "memory_stats": lambda device=None: live.memory_stats(),
-        "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
-        "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
-        "empty_cache": empty_cache,
-        "mem_get_info": mem_get_info,
-    }
-    accelerator = {  # torch.accelerator's memory queries (torch 2.8 on), the same answers
-        "memory_allocated": answers["memory_allocated"],
-        "max_memory_allocated": answers["max_memory_allocated"],
-        "memory_reserved": answers["memory_reserved"],
-        "max_memory_reserved": answers["max_memory_reserved"],
-        "memory_stats": answers["memory_stats"],
-        "reset_peak_memory_stats": answers["reset_peak_memory_stats"],
-        "empty_cache": empty_cache,
-        "get_memory_info": mem_get_info,
-    }
-    present = {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}
-    with (
-        swapped(torch.cuda, **answers),
-        swapped(torch.cuda.memory, **answers),
-        swapped(torch.accelerator, **present),
-    ):
-        yield
-
-
-class _Stream:
-    """What ``torch.accelerator.current_stream()`` gives on the stand-in: CUDA's default stream,
-    never capturing a graph (the optimizers ask before each step)."""
-
-    def __init__(self, device: Any) -> None:
-        self.device, self.stream_id, self.device_index = device, 0, 0
-
-    def is_capturing(self) -> bool:
-        return False
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
+__all__ = ["cuda_on_cpu"]
 
 
 class _Props:
@@ -204,11 +93,16 @@ def _autocast_seen(on_first: Callable[[Any], None], to_cpu: bool) -> Iterator[No
 
 @contextlib.contextmanager
 def cuda_on_cpu(
-    name: str, capacity: int, on_autocast: Callable[[Any], None], real_cuda: bool
+    name: str,
+    capacity: int,
+    on_autocast: Callable[[Any], None],
+    real_cuda: bool,
+    read: Callable[[], Any] = lambda: 0.0,
 ) -> Iterator[None]:
     """CUDA stood in for by the CPU (see the module doc): one device called ``name`` of
-    ``capacity`` bytes; ``on_autocast(dtype)`` at the script's first CUDA autocast. With
-    ``real_cuda`` (a GPU here) only that."""
+    ``capacity`` bytes; ``on_autocast(dtype)`` at the script's first CUDA autocast; ``read()``
+    a placeholder for a value of the device (:mod:`.stand_ins`). With ``real_cuda`` (a GPU
+    here) only the autocast's."""
     import torch
 
     if real_cuda:
@@ -243,12 +137,13 @@ def cuda_on_cpu(
         "set_device_index": lambda device: None,
         "set_device_idx": lambda device: None,
         "synchronize": lambda device=None: None,
-        "current_stream": lambda device=None: _Stream(cuda),
+        "current_stream": lambda device=None: Stream(cuda),
     }
     present = {k: v for k, v in accelerator.items() if hasattr(torch.accelerator, k)}
     with (
         swapped(torch.cuda, **answers),
         swapped(torch.accelerator, **present),
+        stand_ins(read),
         _autocast_seen(on_autocast, to_cpu=True),
         _device_mode(),
     ):

@@ -28,7 +28,7 @@ STEPS_TRACED = 2  # step 2 holds what step 1's optimizer step made: the steady o
 
 @dataclass
 class ScriptSteps:
-    """The listener (see the module doc). ``live`` (a :class:`~.cuda_api.LiveAllocator`) has its
+    """The listener (see the module doc). ``live`` (a :class:`~.counters.LiveAllocator`) has its
     peaks reset at each mark, as the probe resets torch's."""
 
     tracker: Any
