@@ -8,7 +8,7 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -136,13 +136,48 @@ def test_one_rule_for_the_card_without_a_gpu(script):
         ({"optim": "adamw_torch"}, "drop --optim"),
         ({"workload": "finetune"}, "drop --workload"),
         ({"world_size": 2}, "drop --world-size"),
-        ({"max_batch": True, "gpu": "H200"}, "drop --max-batch"),
+        ({"max_batch": True, "gpu": "H200"}, "--max-batch with --script needs --batch-arg NAME"),
+        ({"max_seq_len": True, "gpu": "H200"}, "needs --seq-len-arg NAME"),
+        ({"batch_arg": "bs", "gpu": "H200"}, "--batch-arg is for --max-batch with --script"),
+        ({"max_batch": True, "batch_arg": "bs"}, "--max-batch needs --gpu"),
+        ({"max_batch": True, "batch_arg": "b s", "gpu": "24"}, "an option's name"),
+        (
+            {"max_batch": True, "batch_arg": "bs", "gpu": "24", "script_args": ("--bs", "x")},
+            "--bs x: the script's value is not a whole number",
+        ),
+        (
+            {"max_batch": True, "batch_arg": "bs", "gpu": "24", "script_args": ("--bs=0",)},
+            "--bs 0: the search starts from 1",
+        ),
         ({"time_limit": 0.0}, "--time-limit 0"),
     ],
 )
 def test_what_a_script_decides_is_refused_with_it(script, flags, says):
     with pytest.raises(EstimateError, match=says):
         plan_estimate(EstimateFlags(script=script, **flags), cuda=False)
+
+
+def test_a_scripts_search_option_is_set_where_it_is_given_or_added(script):
+    """``--batch-arg`` names the script's own option: a search sets it where the arguments give
+    it (``--bs 4`` or ``--bs=4``), or adds it; the request carries it to the child."""
+    req = plan_estimate(
+        EstimateFlags(
+            script=script,
+            script_args=("--lr", "1", "--bs", "4", "--x=--bs"),
+            gpu="24",
+            max_batch=True,
+            batch_arg="bs",
+        ),
+        cuda=False,
+    )
+    s = req.script
+    assert s is not None and s.search_arg == "--bs" and s.value() == 4 and req.search == "batch"
+    assert s.at(9).args == ("--lr", "1", "--bs", "9", "--x=--bs")
+    assert replace(s, args=("--bs=2",)).at(9).args == ("--bs=9",)
+    assert replace(s, args=("--lr", "1")).at(9).args == ("--lr", "1", "--bs", "9")
+    assert EstimateRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+    with pytest.raises(EstimateError, match="--batch-arg is for --script"):
+        plan_estimate(EstimateFlags(size="tiny", batch_arg="bs"), cuda=False)
 
 
 def test_a_request_file_that_is_not_one_is_an_estimate_error():

@@ -309,6 +309,49 @@ def test_a_torch_cuda_call_the_estimate_lacks_is_named_as_its_gap(tmp_path, call
     assert "the script raised" not in line
 
 
+SEARCHED = (
+    "import argparse\n"
+    "import torch\n"
+    "from collector.probe.core import StepProbe\n"
+    "ap = argparse.ArgumentParser()\n"
+    "ap.add_argument('--batch-size', type=int, default=4)\n"
+    "a = ap.parse_args()\n"
+    "dev = torch.device('cuda')\n"
+    "m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),\n"
+    "                        torch.nn.Linear(4096, 1024)).to(dev)\n"
+    "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+    "probe = StepProbe().watch(m, opt)\n"
+    "for i in range(3):\n"
+    "    with probe.step(i):\n"
+    "        m(torch.randn(a.batch_size, 256, 1024, device=dev)).square().mean().backward()\n"
+    "        opt.step()\n"
+    "        opt.zero_grad()\n"
+)
+
+
+def test_a_scripts_largest_batch_is_searched_through_its_own_option(tmp_path):
+    """``--max-batch --batch-arg batch-size``: the script traced at each size the search names,
+    through its own ``--batch-size``; the answer is traced and fits, and the script estimated
+    on its own at one more does not fit."""
+    script = tmp_path / "searched.py"
+    script.write_text(SEARCHED)
+    r = _cli(
+        "--script", str(script), "--gpu", "4", "--max-batch", "--batch-arg", "batch-size",
+        "--json", "--", "--batch-size", "100",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    est = json.loads(r.stdout)
+    best = est["largest"]["largest"]
+    traced = {t["value"]: t["fits"] for t in est["largest"]["traced"]}
+    assert best > 1 and traced[best] and est["fit"]["fits"]
+    assert not traced.get(best + 1, True) and est["largest"]["converged"]
+    assert f"--batch-size {best}" in " ".join(est["spec"]["args"])
+    assert any(f"the largest that fits is --batch-size {best}" in n for n in est["notes"])
+    alone = _cli("--script", str(script), "--gpu", "4", "--json", "--", f"--batch-size={best + 1}")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert not json.loads(alone.stdout)["fit"]["fits"]
+
+
 def test_a_script_printing_torchs_counters_prints_the_estimates_figures(model_dir):
     """``torch.cuda.memory_allocated``/``max_memory_allocated``/``memory_reserved`` in the script
     are answered from the allocator model: what plain_adamw.py prints after its first step is

@@ -30,7 +30,8 @@ your own script:
   the steps before printed; exit 2: no step traced). A script that reads values of tensors
   (.item(), int(i), bool(t): answered with placeholders) runs a second time with other
   placeholders; exit 4: they changed the figures (printed, with the line that read the value,
-  and no verdict on fitting).
+  and no verdict on fitting). --max-batch --batch-arg NAME: the largest value of the script's
+  own option NAME that fits, the script traced at each size.
 not modelled:
   other processes on the GPU; kernels' internal workspaces other than cuBLAS's (cuDNN, NCCL's
   buffers beyond the calibrated figure); CUDA graphs; data-dependent shapes (the trace stops
@@ -125,6 +126,17 @@ def _script_flags(e, model) -> None:
         metavar="SECONDS",
         help="stop a trace that has not ended by then: a script's run to its second probe step, "
         "or one trace of a config or size (default 900; a --max-* search traces several)",
+    )
+    e.add_argument(
+        "--batch-arg",
+        metavar="NAME",
+        help="--max-batch of a script: the script's own option for its micro-batch "
+        "(e.g. per_device_train_batch_size), set to each size the search traces",
+    )
+    e.add_argument(
+        "--seq-len-arg",
+        metavar="NAME",
+        help="--max-seq-len of a script: the script's own option for its sequence length",
     )
 
 

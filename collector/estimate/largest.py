@@ -24,7 +24,7 @@ from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate, SearchResult, Traced
 from collector.model.units import gib
 
-__all__ = ["AXES", "MAX_TRACES", "SEQ_STEP", "largest"]
+__all__ = ["AXES", "MAX_TRACES", "SEQ_STEP", "largest", "largest_of"]
 
 AXES = ("batch", "seq_len")
 SEQ_STEP = 64  # sequence lengths are searched in multiples of this
@@ -50,6 +50,25 @@ def largest(
     """The estimate of the largest ``axis`` value that fits ``target`` (None: not even the
     smallest does) and the search as data (each traced value, its need and whether it fit).
     ``trace(spec)`` estimates one spec held against ``target``."""
+    return largest_of(
+        getattr(spec, axis),
+        axis,
+        target,
+        lambda v: trace(dataclasses.replace(spec, **{axis: v})),
+        progress,
+    )
+
+
+def largest_of(
+    start: int,
+    axis: str,
+    target: Target,
+    trace_at: Callable[[int], Estimate],
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Estimate | None, SearchResult]:
+    """:func:`largest` of anything traced at a size: ``trace_at(v)`` estimates size ``v`` of
+    ``axis`` held against ``target`` (a spec's, or a script's own option set to ``v``), the
+    search starting from ``start``."""
     if axis not in AXES:
         raise EstimateError(f"cannot search {axis!r}: one of {', '.join(AXES)}")
     step = 1 if axis == "batch" else SEQ_STEP
@@ -58,7 +77,7 @@ def largest(
 
     def run(v: int) -> Estimate:
         if v not in traced:
-            e = trace(dataclasses.replace(spec, **{axis: v}))
+            e = trace_at(v)
             traced[v] = e
             say(
                 f"{axis.replace('_', ' ')} {v}: needs {gib(_need(e))} of "
@@ -66,7 +85,7 @@ def largest(
             )
         return traced[v]
 
-    first = max(step, getattr(spec, axis) // step * step)
+    first = max(step, start // step * step)
     run(first)
     if not _fits(traced[first]) and first != step:
         run(step)

@@ -19,6 +19,7 @@ the card stepmem measured.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import collector.estimate.gpus as gpus
 from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.spec import Spec, read_config
 from collector.model.errors import EstimateError
+from collector.model.untrusted import inert
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -74,6 +76,8 @@ class EstimateFlags:
     margin: float | None = None
     max_batch: bool = False
     max_seq_len: bool = False
+    batch_arg: str | None = None
+    seq_len_arg: str | None = None
 
     @classmethod
     def of(cls, ns: Any) -> EstimateFlags:
@@ -92,6 +96,42 @@ class ScriptSubject:
 
     path: Path
     args: tuple[str, ...] = ()
+    search_arg: str | None = None  # the script's own option a search sets (``--batch-size``)
+
+    def value(self) -> int | None:
+        """The value the script's arguments give :attr:`search_arg` (None: not given)."""
+        for i, a in enumerate(self.args):
+            if a == self.search_arg and i + 1 < len(self.args):
+                given = self.args[i + 1]
+            elif self.search_arg and a.startswith(f"{self.search_arg}="):
+                given = a.split("=", 1)[1]
+            else:
+                continue
+            try:
+                return int(given)
+            except ValueError:
+                raise EstimateError(
+                    f"{self.search_arg} {given}: the script's value is not a whole number"
+                ) from None
+        return None
+
+    def at(self, v: int) -> ScriptSubject:
+        """The script with :attr:`search_arg` set to ``v`` (each time it is given, or added)."""
+        assert self.search_arg is not None
+        out, i, found = [], 0, False
+        while i < len(self.args):
+            a = self.args[i]
+            if a == self.search_arg and i + 1 < len(self.args):
+                out += [a, str(v)]
+                i, found = i + 2, True
+                continue
+            if a.startswith(f"{self.search_arg}="):
+                a, found = f"{self.search_arg}={v}", True
+            out.append(a)
+            i += 1
+        if not found:
+            out += [self.search_arg, str(v)]
+        return replace(self, args=tuple(out))
 
 
 @dataclass(frozen=True)
@@ -123,7 +163,7 @@ class EstimateRequest:
         """The request as JSON data (what a script's child process reads)."""
         s = self.subject
         if isinstance(s, ScriptSubject):
-            subject = {"script": str(s.path), "args": list(s.args)}
+            subject = {"script": str(s.path), "args": list(s.args), "search_arg": s.search_arg}
         else:
             subject = {"spec": {**asdict(s), "lora_targets": list(s.lora_targets)}}
         t = self.target
@@ -148,8 +188,11 @@ class EstimateRequest:
         try:
             s = d["subject"]
             if "script" in s:
+                arg = s.get("search_arg")
                 subject: Spec | ScriptSubject = ScriptSubject(
-                    Path(str(s["script"])), tuple(str(a) for a in s["args"])
+                    Path(str(s["script"])),
+                    tuple(str(a) for a in s["args"]),
+                    None if arg is None else str(arg),
                 )
             else:
                 spec = dict(s["spec"])
@@ -192,6 +235,9 @@ def plan_estimate(
     else:
         if flags.script_args:
             raise EstimateError("arguments after '--' are for --script")
+        for _s, _f, key, arg_flag, _e in _SEARCH_ARGS:
+            if getattr(flags, key):
+                raise EstimateError(f"{arg_flag} is for --script (a config's search sets its own)")
         subject = _spec(flags, cuda, like)
     target, counters = _target(flags, cuda)
     search = "batch" if flags.max_batch else "seq_len" if flags.max_seq_len else None
@@ -212,8 +258,6 @@ _SCRIPT_DECIDES = (
     ("grad_accum", "--grad-accum"),
     ("no_checkpointing", "--no-checkpointing"),
     ("fp32", "--fp32"),
-    ("max_batch", "--max-batch"),
-    ("max_seq_len", "--max-seq-len"),
     ("lora_r", "--lora-r"),
     ("lora_targets", "--lora-targets"),
     ("load_in_4bit", "--load-in-4bit"),
@@ -230,7 +274,37 @@ def _script(flags: EstimateFlags) -> ScriptSubject:
     path = Path(flags.script).resolve()
     if not path.is_file():
         raise EstimateError(f"--script {flags.script}: no such file")
-    return ScriptSubject(path, tuple(flags.script_args))
+    subject = ScriptSubject(path, tuple(flags.script_args), _search_arg(flags))
+    if subject.search_arg is not None:
+        v = subject.value()
+        if v is not None and v < 1:
+            raise EstimateError(f"{subject.search_arg} {v}: the search starts from 1 or more")
+    return subject
+
+
+# a search of a script: the flag that asks for it, and the flag naming the script's option
+_SEARCH_ARGS = (("max_batch", "--max-batch", "batch_arg", "--batch-arg", "batch_size"),)
+_SEARCH_ARGS += (("max_seq_len", "--max-seq-len", "seq_len_arg", "--seq-len-arg", "seq_len"),)
+
+
+def _search_arg(flags: EstimateFlags) -> str | None:
+    """The script's own option a ``--max-*`` search sets (``--batch-arg batch_size``: the
+    script's ``--batch_size``), checked: each needs the other."""
+    for search, search_flag, key, arg_flag, example in _SEARCH_ARGS:
+        name = getattr(flags, key)
+        if getattr(flags, search) and not name:
+            raise EstimateError(
+                f"{search_flag} with --script needs {arg_flag} NAME: the script's own option "
+                f"the search sets (e.g. {arg_flag} {example} for its --{example})"
+            )
+        if name and not getattr(flags, search):
+            raise EstimateError(f"{arg_flag} is for {search_flag} with --script")
+        if name:
+            opt = name if name.startswith("-") else f"--{name}"
+            if not re.fullmatch(r"--?[A-Za-z0-9][\w.-]*", opt):
+                raise EstimateError(f"{arg_flag} {inert(name)[:80]}: an option's name (batch_size)")
+            return opt
+    return None
 
 
 def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:

@@ -6,13 +6,14 @@ process (:mod:`collector.estimate.script`, which nothing else imports)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from collector.estimate.largest import largest
+from collector.estimate.largest import largest, largest_of
 from collector.estimate.limits import time_limited
 from collector.estimate.request import EstimateRequest
 from collector.estimate.trace import estimate
+from collector.model.errors import EstimateError
 from collector.model.prediction import Estimate, SearchResult
 
 __all__ = ["Outcome", "run_estimate"]
@@ -32,6 +33,8 @@ def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = 
     """Run ``req`` (see the module doc); ``progress`` hears what is being done, a line a time."""
     say = progress or (lambda _m: None)
     if req.script is not None:
+        if req.search is not None and req.target is not None:
+            return _script_search(req, say)
         from collector.estimate.script import estimate_script
 
         est, error = estimate_script(req, progress=say)
@@ -57,3 +60,37 @@ def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = 
             est.largest = search
         return Outcome(est, search=search)
     return Outcome(trace(spec, say))
+
+
+def _script_search(req: EstimateRequest, say: Callable[[str], None]) -> Outcome:
+    """The largest value of the script's own option (``--batch-arg``/``--seq-len-arg``) whose
+    step fits: the script traced at each size the search names, as ``--config``'s search
+    traces its spec. A size the script cannot be traced at, stopped early at, or whose figures
+    a placeholder decided ends the search with that, said (no answer stands on it)."""
+    from collector.estimate.script import estimate_script
+
+    script, target, axis = req.script, req.target, req.search
+    assert script is not None and script.search_arg is not None
+    assert target is not None and axis is not None
+    arg = script.search_arg
+
+    def trace_at(v: int) -> Estimate:
+        est, error = estimate_script(replace(req, subject=script.at(v), search=None), say)
+        if error or est is None:
+            raise EstimateError(f"{script.path.name} {arg} {v}: {error or 'no step traced'}")
+        if est.undecided:
+            raise EstimateError(
+                f"{script.path.name} {arg} {v}: not trustworthy ({est.undecided}): the search "
+                "cannot stand on figures a placeholder decided"
+            )
+        return est
+
+    what = "micro-batch" if axis == "batch" else "sequence length"
+    say(f"searching the largest {what} of {script.path.name} ({arg})")
+    est, search = largest_of(script.value() or 1, axis, target, trace_at, progress=say)
+    if est is not None:
+        est.largest = search
+        est.notes.append(
+            f"the search set the script's {arg}: the largest that fits is {arg} {search.largest}"
+        )
+    return Outcome(est, search=search)
