@@ -203,47 +203,6 @@ def test_a_script_that_asks_torch_accelerator_takes_its_gpu_branch(tmp_path):
     assert est.steady["gradients"] == (512 * 512 + 512) * 4
 
 
-# the torch.cuda calls the adversarial trial's script made (35; 17 raised on the CPU stand-in),
-# each a line run inside every probe step of one script
-CUDA_CALLS = (
-    "torch.cuda.set_per_process_memory_fraction(0.5)",
-    "assert torch.cuda.get_per_process_memory_fraction() == 0.5",
-    "free, total = torch.cuda.mem_get_info(); assert 0 < free < total",
-    "assert torch.cuda.get_device_properties(0).total_memory > 0",
-    "assert torch.cuda.device_count() == 1 and torch.cuda.is_available()",
-    "torch.cuda.manual_seed_all(0); torch.cuda.set_device(0)",
-    "torch.backends.cuda.matmul.allow_tf32 = True; torch.backends.cudnn.allow_tf32 = True",
-    "start = torch.cuda.Event(enable_timing=True); start.record()",
-    "torch.cuda.nvtx.range_push('step'); torch.cuda.nvtx.mark('here')",
-    "with torch.cuda.device(0), torch.cuda.stream(side): x = torch.randn(64, 256, device=dev)",
-    "torch.cuda.current_stream().wait_stream(side); side.synchronize()",
-    "with torch.cuda.nvtx.range('fwd'): loss = m(x.to(dev, non_blocking=True)).sum()",
-    "scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()",
-    "torch.cuda.nvtx.range_pop()",
-    "end = torch.cuda.Event(enable_timing=True); end.record(); end.synchronize()",
-    "print('ms', start.elapsed_time(end), file=sys.stderr)",
-    "rng = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(rng)",
-    "assert rng.numel() == 16 and torch.cuda.get_rng_state_all()[0].numel() == 16",
-    "p = torch.cuda.caching_allocator_alloc(1 << 20); torch.cuda.caching_allocator_delete(p)",
-    "torch.cuda.ipc_collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()",
-    "print(torch.cuda.utilization(), torch.cuda.temperature(), file=sys.stderr)",
-    "print(torch.cuda.power_draw(), torch.cuda.clock_rate(), file=sys.stderr)",
-    "print(torch.cuda.list_gpu_processes(), file=sys.stderr)",
-    "print(torch.cuda.memory_summary(), file=sys.stderr)",
-    "segs = torch.cuda.memory_snapshot()",
-    "assert sum(s['allocated_size'] for s in segs) == torch.cuda.memory_allocated() > 0",
-    "assert torch.cuda.memory_stats()['allocation.all.current'] > 0",
-    "torch.cuda.memory._dump_snapshot(sys.argv[1])",
-    "g = torch.cuda.CUDAGraph()",
-    "with torch.cuda.graph(g): y = m(x)",
-    "g.replay(); torch.cuda.synchronize()",
-    "assert not torch.cuda.is_current_stream_capturing()",
-    "a = torch.cuda.max_memory_allocated(); torch.cuda.reset_peak_memory_stats()",
-    "assert torch.cuda.memory_reserved() >= torch.cuda.memory_allocated()",
-    "x = torch.randn(4, 256, device='cuda:0')",
-)
-
-
 def test_every_torch_cuda_call_a_script_makes_answers(tmp_path):
     """Each of the trial's ``torch.cuda`` calls answers under the estimate (without a GPU, from
     the stand-in): torch's own ``memory_summary`` prints the estimate's figures, the snapshot's
@@ -252,22 +211,7 @@ def test_every_torch_cuda_call_a_script_makes_answers(tmp_path):
     share the step is held against."""
     from collector.analysis.history import load_snapshot
 
-    script = tmp_path / "cuda_calls.py"
-    body = "".join(f"        {line}\n" for line in CUDA_CALLS)
-    script.write_text(
-        "import sys\n"
-        "import torch\n"
-        "from collector.probe.core import StepProbe\n"
-        "dev = torch.device('cuda')\n"
-        "m = torch.nn.Linear(256, 256).to(dev)\n"
-        "opt = torch.optim.AdamW(m.parameters())\n"
-        "scaler = torch.amp.GradScaler('cuda')\n"
-        "side = torch.cuda.Stream()\n"
-        "torch.cuda.memory._record_memory_history(max_entries=1000)\n"
-        "probe = StepProbe().watch(m, opt)\n"
-        "for i in range(3):\n"
-        "    with probe.step(i):\n" + body
-    )
+    script = SCRIPTS / "cuda_calls.py"
     dump = tmp_path / "snap.pickle"
     r = _cli("--script", str(script), "--gpu", "H100-80GB", "--json", "--", str(dump))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -309,32 +253,11 @@ def test_a_torch_cuda_call_the_estimate_lacks_is_named_as_its_gap(tmp_path, call
     assert "the script raised" not in line
 
 
-SEARCHED = (
-    "import argparse\n"
-    "import torch\n"
-    "from collector.probe.core import StepProbe\n"
-    "ap = argparse.ArgumentParser()\n"
-    "ap.add_argument('--batch-size', type=int, default=4)\n"
-    "a = ap.parse_args()\n"
-    "dev = torch.device('cuda')\n"
-    "m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),\n"
-    "                        torch.nn.Linear(4096, 1024)).to(dev)\n"
-    "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-    "probe = StepProbe().watch(m, opt)\n"
-    "for i in range(3):\n"
-    "    with probe.step(i):\n"
-    "        m(torch.randn(a.batch_size, 256, 1024, device=dev)).square().mean().backward()\n"
-    "        opt.step()\n"
-    "        opt.zero_grad()\n"
-)
-
-
 def test_a_scripts_largest_batch_is_searched_through_its_own_option(tmp_path):
     """``--max-batch --batch-arg batch-size``: the script traced at each size the search names,
     through its own ``--batch-size``; the answer is traced and fits, and the script estimated
     on its own at one more does not fit."""
-    script = tmp_path / "searched.py"
-    script.write_text(SEARCHED)
+    script = SCRIPTS / "searched.py"
     r = _cli(
         "--script", str(script), "--gpu", "4", "--max-batch", "--batch-arg", "batch-size",
         "--json", "--", "--batch-size", "100",
