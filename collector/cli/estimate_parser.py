@@ -74,6 +74,7 @@ def _fit_flags(e) -> None:
         metavar="PCT",
         help="percent of what torch may reserve kept free when judging a fit (default 2, up to 50)",
     )
+    _plan_flags(fit)
     search = fit.add_mutually_exclusive_group()
     search.add_argument(
         "--max-batch",
@@ -84,6 +85,24 @@ def _fit_flags(e) -> None:
         "--max-seq-len",
         action="store_true",
         help=f"find the longest sequence that fits, in steps of {SEQ_STEP} tokens",
+    )
+
+
+def _plan_flags(fit) -> None:
+    """``--plan``: changes that make the step fit, each traced."""
+    from collector.model.plans import KNOBS
+
+    fit.add_argument(
+        "--plan",
+        action="store_true",
+        help="list changes that make the step fit this GPU, each traced and printed as the "
+        "command that checks it, the same training first (a few more traces: minutes for a 7B)",
+    )
+    fit.add_argument(
+        "--keep",
+        metavar="KNOBS",
+        help="--plan: comma-separated settings no plan may change, of "
+        f"{', '.join(KNOBS)}, optim (both 8-bit optimizers), lora (LoRA and QLoRA)",
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import collector.cli.commands as c
+import collector.cli.estimate_command as ec
 import collector.cli.estimate_parser as e
 import collector.cli.parsers as p
 
@@ -27,7 +28,7 @@ SUBCOMMANDS = (
     Subcommand("daemon", p._daemon_parser, c._cmd_daemon),
     Subcommand("report", p._report_parser, c._cmd_report),
     Subcommand("compare", p._compare_parser, c._cmd_compare),
-    Subcommand("estimate", e.estimate_parser, c._cmd_estimate),
+    Subcommand("estimate", e.estimate_parser, ec.cmd_estimate),
     Subcommand("dashboards", p._dashboards_parser, c._cmd_dashboards),
     Subcommand("devices", p._devices_parser, c._cmd_devices),
     Subcommand("capture", p._capture_parser, c._cmd_capture),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import collector.estimate.gpus as gpus
 from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.spec import Spec, read_config
 from collector.model.errors import EstimateError
+from collector.model.plans import KNOBS, Knob
 from collector.model.untrusted import inert
 
 __all__ = [
@@ -78,6 +79,8 @@ class EstimateFlags:
     max_seq_len: bool = False
     batch_arg: str | None = None
     seq_len_arg: str | None = None
+    plan: bool = False
+    keep: str | None = None
 
     @classmethod
     def of(cls, ns: Any) -> EstimateFlags:
@@ -150,6 +153,10 @@ class EstimateRequest:
     search: str | None = None
     real: bool = False
     time_limit: float = DEFAULT_TIME_LIMIT
+    # --plan: the knobs kept as asked, and what the request was planned from (the flags, the
+    # --like run's summary, whether this machine has a GPU): a plan is these flags changed
+    plan: frozenset[Knob] | None = None
+    origin: tuple[EstimateFlags, Any, bool] | None = field(default=None, compare=False)
 
     @property
     def script(self) -> ScriptSubject | None:
@@ -244,7 +251,42 @@ def plan_estimate(
     if search is not None and target is None:
         flag = "--max-batch" if flags.max_batch else "--max-seq-len"
         raise EstimateError(f"{flag} needs --gpu NAME|GIB (this machine has no GPU)")
-    return EstimateRequest(subject, allocator, target, counters, search, real, float(limit))
+    return EstimateRequest(
+        subject,
+        allocator,
+        target,
+        counters,
+        search,
+        real,
+        float(limit),
+        _kept(flags, search, target),
+        (flags, like, cuda),
+    )
+
+
+def _kept(flags: EstimateFlags, search: str | None, target: Any) -> frozenset[Knob] | None:
+    """``--plan``'s knobs kept as asked (``--keep optim,seq_len``: the knobs of those names,
+    ``optim`` for both 8-bit optimizers, ``lora`` for LoRA and QLoRA); None: no plan asked."""
+    if not flags.plan:
+        if flags.keep:
+            raise EstimateError("--keep is for --plan")
+        return None
+    if search is not None:
+        raise EstimateError("--plan searches its own micro-batch: drop --max-batch/--max-seq-len")
+    if target is None:
+        raise EstimateError("--plan needs --gpu NAME|GIB (this machine has no GPU)")
+    if flags.script is not None:
+        raise EstimateError(
+            "--plan is for --size, --config and --like: a script's settings are its own "
+            "(--alloc-conf and --max-batch --batch-arg NAME reach them)"
+        )
+    kept: set[Knob] = set()
+    groups = {"optim": (Knob.OPTIMIZER_8BIT, Knob.PAGED_8BIT), "lora": (Knob.LORA, Knob.QLORA)}
+    for name in filter(None, (n.strip() for n in (flags.keep or "").split(","))):
+        if name not in KNOBS and name not in groups:
+            raise EstimateError(f"--keep {inert(name)[:40]}: one of {', '.join((*KNOBS, *groups))}")
+        kept.update(groups.get(name) or (Knob(name),))
+    return frozenset(kept)
 
 
 # what a script sets itself: flags --script refuses
@@ -333,7 +375,11 @@ def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
     spec = Spec.for_machine(cuda, workload, **given)
     if flags.like is not None:  # the run's model and batch; what the flags name wins
         spec = spec.like(like, str(flags.like))
-        named = {k: v for k, v in (("optim", flags.optim), ("seq_len", flags.seq_len)) if v}
+        named = {
+            k: getattr(flags, k)
+            for k in ("optim", "seq_len", "batch", "grad_accum")
+            if getattr(flags, k)
+        }
         spec = replace(spec, **named)
     spec.validate()
     return spec

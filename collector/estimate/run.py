@@ -1,6 +1,7 @@
 """The estimate's entry: a planned :class:`~collector.estimate.request.EstimateRequest` run —
 a spec traced (:func:`collector.estimate.trace.estimate`), searched for its largest size that
-fits (:func:`collector.estimate.largest.largest`), or a user's script estimated in a child
+fits (:func:`collector.estimate.largest.largest`), given plans that make it fit
+(:mod:`collector.estimate.plans`), or a user's script estimated in a child
 process (:mod:`collector.estimate.script`, which nothing else imports)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collector.estimate.limits import time_limited
 from collector.estimate.request import EstimateRequest
 from collector.estimate.trace import estimate
 from collector.model.errors import EstimateError
+from collector.model.plans import PlanResult
 from collector.model.prediction import Estimate, SearchResult
 
 __all__ = ["Outcome", "run_estimate"]
@@ -27,6 +29,7 @@ class Outcome:
     estimate: Estimate | None
     error: str = ""
     search: SearchResult | None = None
+    plans: PlanResult | None = None  # --plan: the plans that make the step fit
 
 
 def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = None) -> Outcome:
@@ -41,6 +44,11 @@ def run_estimate(req: EstimateRequest, progress: Callable[[str], None] | None = 
         return Outcome(est, error)
     spec = req.spec
     assert spec is not None
+    if req.plan is not None:
+        from collector.estimate.plans.search import find_plans
+
+        est, plans = find_plans(req, say)
+        return Outcome(est, plans=plans)
     model = spec.size or (spec.config or {}).get("model_type", "a config")
     say(
         f"tracing {model} ({spec.optim}, batch {spec.batch} × {spec.seq_len}) for two steps on "

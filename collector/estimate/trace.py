@@ -171,6 +171,7 @@ class _Trace:
     stopped: str = ""
     tracker: Any = None  # the step's tracker (its module stack names where memory is taken)
     log: AllocationLog | None = None
+    flops: Any = None  # the trace's FlopCounterMode (None: real tensors)
 
 
 def _prepare(spec: Spec, model: Any, mesh: Any) -> None:
@@ -236,10 +237,12 @@ def _trace_step(
             tracker.reset_mod_stats()  # one forward per module per record
             mark(f"{step} {Phase.FORWARD} {micro + 1}")
             ids = torch.randint(0, vocab, (spec.batch, spec.seq_len), device=device)
-            with torch.autocast(device.type, torch.bfloat16, enabled=spec.bf16):
-                loss = model(input_ids=ids, labels=ids).loss
-            mark(f"{step} {Phase.BACKWARD} {micro + 1}")
-            (loss / spec.grad_accum).backward()
+            counted = t.flops if last and micro == 0 and t.flops is not None else None
+            with counted or contextlib.nullcontext():  # one micro-batch's FLOPs are counted
+                with torch.autocast(device.type, torch.bfloat16, enabled=spec.bf16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                mark(f"{step} {Phase.BACKWARD} {micro + 1}")
+                (loss / spec.grad_accum).backward()
             del loss, ids
             peak = sum(parts_of(tracker.get_tracker_snapshot("peak"), device).values())
             if last and peak > t.best[0]:
@@ -283,6 +286,29 @@ def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t
     )
 
 
+def _fakes(more: Any, spec: Spec, cuda: bool, device: Any, mesh: Any, t: _Trace) -> Any:
+    """The fake trace's rules, entered on ``more``: CUDA's (:func:`_cuda_rules`, whose attention
+    mode is returned), the libraries' tensors on fake storage and the allocation log; and a FLOP
+    counter (torch's :class:`~torch.utils.flop_counter.FlopCounterMode`, shapes only) for
+    :func:`_trace_step` to enter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    attention = _cuda_rules(spec, cuda, device, more)
+    more.enter_context(build.unpacked_inputs())
+    more.enter_context(parameter_subclasses())  # bitsandbytes' 4-bit weights
+    more.enter_context(conversions_in_place())  # peft's adapters moved with .to()
+    more.enter_context(data_follows_device())
+    if mesh is not None:
+        more.enter_context(build.own_propagation_mode())
+    assert t.log is not None
+    more.enter_context(t.log.resizes())
+    more.enter_context(t.log.streams_followed(cuda))
+    more.enter_context(t.log.mode())
+    t.flops = FlopCounterMode(display=False)  # entered for one micro-batch: _trace_step
+    t.log.mark(Phase.BUILD)
+    return attention
+
+
 def _where(t: _Trace, stack: list[_Stack]) -> Callable[[], str]:
     """What runs now: the deepest module of the tracker's stack (forward and backward), else of
     the forward hooks' stack."""
@@ -306,6 +332,7 @@ def estimate(
     fake: bool = True,
     allocator: AllocatorConfig | None = None,
     target: Target | None = None,
+    logs: list[AllocationLog] | None = None,
 ) -> Estimate:
     """Predict ``spec``'s step memory (see the module doc). Never allocates device memory.
 
@@ -314,7 +341,8 @@ def estimate(
     as a Hugging Face causal LM does). ``fake=False`` runs the same trace on real tensors (tests
     hold the fake trace to it). ``allocator``: the caching allocator's settings (default:
     ``PYTORCH_CUDA_ALLOC_CONF``'s); ``target``: the GPU the step is held against (whether it fits,
-    and where it would first run out)."""
+    and where it would first run out); ``logs``: the allocation log is appended to it (a plan
+    holds it again under other settings: :func:`collector.estimate.tracing.hold_steps`)."""
     import torch
 
     spec.validate()
@@ -332,19 +360,7 @@ def estimate(
     if fake:
         t.log = AllocationLog(device, where_now=_where(t, stack))
     with mode, quiet(), exact_bytes(), build.group_closed(mesh), contextlib.ExitStack() as more:
-        attention = _cuda_rules(spec, cuda, device, more) if fake else None
-        if fake:
-            more.enter_context(build.unpacked_inputs())
-            more.enter_context(parameter_subclasses())  # bitsandbytes' 4-bit weights
-            more.enter_context(conversions_in_place())  # peft's adapters moved with .to()
-            more.enter_context(data_follows_device())
-            if mesh is not None:
-                more.enter_context(build.own_propagation_mode())
-        if t.log is not None:
-            more.enter_context(t.log.resizes())
-            more.enter_context(t.log.streams_followed(cuda))
-            more.enter_context(t.log.mode())
-            t.log.mark(Phase.BUILD)
+        attention = _fakes(more, spec, cuda, device, mesh, t) if fake else None
         say("building the model on fake tensors")
         with torch.device(device), bounded_build(spec.size or "--config"):
             model = build_model() if build_model is not None else build.build_model(spec, device)
@@ -371,6 +387,8 @@ def estimate(
     out = _result(spec, t, notes, device, cuda, n_params, opt, time.monotonic() - t0)
     if t.log is not None:
         hold_steps(out, t.log, allocator, target)
+        if logs is not None:
+            logs.append(t.log)
     return out
 
 
@@ -411,4 +429,14 @@ def _result(
         torch=torch.__version__,
         device_allocated=int(torch.cuda.max_memory_allocated(device)) if cuda else None,
         unsharded_peak=t.unsharded,
+        step_flops=_step_flops(spec, t),
     )
+
+
+def _step_flops(spec: Spec, t: _Trace) -> int | None:
+    """One optimizer step's FLOPs: the last traced step's first micro-batch (forward and
+    backward, a recomputed forward included) times the step's micro-batches — every micro-batch
+    does the same work. None: not counted, or the trace stopped."""
+    if t.flops is None or t.stopped or len(t.per_step) < MAX_STEPS_TRACED:
+        return None
+    return int(t.flops.get_total_flops() * spec.grad_accum)

@@ -235,6 +235,10 @@ class Estimate:
     # why these figures are not trustworthy: a value read from a fake tensor (a placeholder)
     # decided what is allocated ("": none did, or the estimate was made before this was checked)
     undecided: str = ""
+    # one optimizer step's FLOPs (every micro-batch, a recomputed forward included) as torch's
+    # FlopCounterMode counts them on the traced shapes; None: not counted (a stopped trace, a
+    # script, an estimate made before it)
+    step_flops: int | None = None
 
     @property
     def script(self) -> bool:
@@ -329,6 +333,7 @@ class Estimate:
                 if d.get("trainable_count") is None
                 else int(d["trainable_count"]),
                 undecided=_text(d.get("undecided", ""), 1000),
+                step_flops=None if d.get("step_flops") is None else int(d["step_flops"]),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise EstimateError(f"estimate: malformed ({_text(exc, 200)})") from None
