@@ -500,9 +500,22 @@ def test_the_estimates_made_on_the_h200_match_its_runs(name, source, within):
         assert abs(r.difference) <= within * r.measured, r
 
 
-def test_shard_flags_need_the_distributed_workload():
-    r = _cli("estimate", "--size", "tiny", "--shard", "fsdp2")
-    assert r.returncode == 2 and "--workload distributed" in r.stderr, r.stderr
+def test_ranks_of_the_finetune_workload_need_fsdp2():
+    r = _cli("estimate", "--size", "tiny", "--world-size", "2")
+    assert r.returncode == 2 and "needs --shard fsdp2" in r.stderr, r.stderr
+    from collector.cli.subcommands import build_parser
+    from collector.estimate.request import EstimateFlags, plan_estimate
+
+    ns = build_parser().parse_args(
+        ["estimate", "--size", "tiny", "--shard", "fsdp2", "--world-size", "2"]
+    )
+    spec = plan_estimate(EstimateFlags.of(ns), cuda=False).spec
+    assert (spec.workload, spec.shard, spec.world_size, spec.checkpointing) == (
+        "finetune",
+        "fsdp2",
+        2,
+        True,
+    )
 
 
 def test_like_takes_a_stored_runs_model_optimizer_and_batch(tmp_path):

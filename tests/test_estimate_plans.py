@@ -91,7 +91,10 @@ def test_the_walk_keeps_what_the_user_keeps_and_tries_the_same_training_first():
     used = {k for t in kept for k, _ in t}
     assert not used & {Knob.OPTIMIZER_8BIT, Knob.PAGED_8BIT, Knob.LORA}
     assert Knob.QLORA in used and any("kept as asked" in w for w in said)
-    assert any(w.startswith("fsdp2: the finetune workload") for w in said)
+    assert any(Knob.FSDP2 in dict(t) for t in turns)  # the HF Trainer's step under FSDP2
+    assert not any(
+        Knob.FSDP2 in dict(t) for t in knobs.walk(replace(spec, lora_r=8), frozenset())[0]
+    )
 
 
 def test_lora_plans_adapt_what_the_model_has():

@@ -193,7 +193,8 @@ def estimate_parser(sub) -> None:
     e.add_argument(
         "--shard",
         choices=SHARDS,
-        help="distributed: fully_shard every decoder layer and the root (default fsdp2)",
+        help="fully_shard every decoder layer and the root (default: fsdp2 for distributed, "
+        "none for finetune)",
     )
     e.add_argument(
         "--world-size",

@@ -353,8 +353,11 @@ def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
     """The spec the flags describe, on this machine (its defaults: :meth:`Spec.for_machine`)."""
     workload = flags.workload or DEFAULT_WORKLOAD
     dist = workload == "distributed"
-    if not dist and (flags.shard or (flags.world_size or 1) != 1):
-        raise EstimateError("--shard and --world-size are for --workload distributed")
+    if not dist and (flags.world_size or 1) != 1 and flags.shard != "fsdp2":
+        raise EstimateError(
+            "--world-size with the finetune workload needs --shard fsdp2 (the HF Trainer's "
+            "step under FSDP2), or --workload distributed"
+        )
     given: dict[str, Any] = dict(
         optim=flags.optim,
         seq_len=flags.seq_len,
@@ -370,8 +373,7 @@ def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
         else None,
         load_in_4bit=True if flags.load_in_4bit else None,
     )
-    if dist:
-        given.update(shard=flags.shard, world_size=flags.world_size)
+    given.update(shard=flags.shard, world_size=flags.world_size)
     spec = Spec.for_machine(cuda, workload, **given)
     if flags.like is not None:  # the run's model and batch; what the flags name wins
         spec = spec.like(like, str(flags.like))

@@ -59,6 +59,7 @@ from collector.estimate.fakes import (
     parameter_subclasses,
 )
 from collector.estimate.fit import Target
+from collector.estimate.flops import FlopCount
 from collector.estimate.limits import bounded_build
 from collector.estimate.spec import Spec
 from collector.estimate.tracing import (
@@ -153,6 +154,12 @@ def _notes(spec: Spec, cuda: bool) -> list[str]:
         notes.append(
             f"FSDP2 at world size {spec.world_size}: one rank traced over a fake process group "
             "(torch's FakeStore), under torch's FSDPMemTracker"
+            + (
+                "; the finetune step under FSDP2 (checkpointing, bf16 autocast) has not been run "
+                "on a GPU by stepmem: the distributed workload's FSDP2 figures have"
+                if spec.workload == "finetune"
+                else ""
+            )
         )
     return notes
 
@@ -171,7 +178,7 @@ class _Trace:
     stopped: str = ""
     tracker: Any = None  # the step's tracker (its module stack names where memory is taken)
     log: AllocationLog | None = None
-    flops: Any = None  # the trace's FlopCounterMode (None: real tensors)
+    flops: FlopCount | None = None  # the trace's FLOP counter (None: real tensors)
 
 
 def _prepare(spec: Spec, model: Any, mesh: Any) -> None:
@@ -289,10 +296,8 @@ def _untraceable(exc: Exception, stack: Any, model: Any, opt: Any, spec: Spec, t
 def _fakes(more: Any, spec: Spec, cuda: bool, device: Any, mesh: Any, t: _Trace) -> Any:
     """The fake trace's rules, entered on ``more``: CUDA's (:func:`_cuda_rules`, whose attention
     mode is returned), the libraries' tensors on fake storage and the allocation log; and a FLOP
-    counter (torch's :class:`~torch.utils.flop_counter.FlopCounterMode`, shapes only) for
-    :func:`_trace_step` to enter."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    counter (torch's FLOP formulas, shapes only: :class:`~collector.estimate.flops.FlopCount`)
+    for :func:`_trace_step` to enter."""
     attention = _cuda_rules(spec, cuda, device, more)
     more.enter_context(build.unpacked_inputs())
     more.enter_context(parameter_subclasses())  # bitsandbytes' 4-bit weights
@@ -304,7 +309,7 @@ def _fakes(more: Any, spec: Spec, cuda: bool, device: Any, mesh: Any, t: _Trace)
     more.enter_context(t.log.resizes())
     more.enter_context(t.log.streams_followed(cuda))
     more.enter_context(t.log.mode())
-    t.flops = FlopCounterMode(display=False)  # entered for one micro-batch: _trace_step
+    t.flops = FlopCount()  # entered for one micro-batch: _trace_step
     t.log.mark(Phase.BUILD)
     return attention
 
@@ -439,4 +444,4 @@ def _step_flops(spec: Spec, t: _Trace) -> int | None:
     does the same work. None: not counted, or the trace stopped."""
     if t.flops is None or t.stopped or len(t.per_step) < MAX_STEPS_TRACED:
         return None
-    return int(t.flops.get_total_flops() * spec.grad_accum)
+    return int(t.flops.total * spec.grad_accum)

@@ -91,7 +91,7 @@ KNOBS = tuple(k.value for k in Knob)
 class Plan:
     """A plan traced and held against the card: the knobs it turns and each change in words,
     the ``stepmem estimate`` arguments that check it, whether its step fits, torch's reserved
-    peak (``need``) and NVML's, the headroom left, one step's FLOPs as torch's FlopCounterMode
+    peak (``need``) and NVML's, the headroom left, one step's FLOPs as torch's FLOP formulas
     counted them (None: not counted), what it costs in words, and whether its figures are a
     re-hold of another plan's trace (the allocator's settings differ only)."""
 

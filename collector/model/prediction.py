@@ -236,7 +236,7 @@ class Estimate:
     # decided what is allocated ("": none did, or the estimate was made before this was checked)
     undecided: str = ""
     # one optimizer step's FLOPs (every micro-batch, a recomputed forward included) as torch's
-    # FlopCounterMode counts them on the traced shapes; None: not counted (a stopped trace, a
+    # FLOP formulas count them on the traced shapes; None: not counted (a stopped trace, a
     # script, an estimate made before it)
     step_flops: int | None = None
 

@@ -1,6 +1,6 @@
 """What a plan costs, said plainly: the step's FLOPs against the step as asked (each counted
-by torch's FlopCounterMode on the traced shapes: matrix products, convolutions, attention —
-a count of work, not a time), what the knob changes of the training, and FSDP2's traffic."""
+with torch's FLOP formulas on the traced shapes: matrix products, convolutions, attention — a
+count of work, not a time), what the knob changes of the training, and FSDP2's traffic."""
 
 from __future__ import annotations
 

@@ -80,11 +80,8 @@ def _rank(k: Knob) -> int:
 def _fsdp2(spec: Spec, kept: frozenset[Knob], said: list[str]) -> list[Turn]:
     if Knob.FSDP2 in kept:
         return []
-    if spec.workload != "distributed":
-        said.append(
-            f"{Knob.FSDP2.value}: the finetune workload is one GPU's (--workload distributed "
-            "estimates FSDP2 ranks)"
-        )
+    if spec.lora_r or spec.load_in_4bit:
+        said.append(f"{Knob.FSDP2.value}: LoRA and 4-bit bases under FSDP2 are not modelled")
         return []
     if spec.optim != "adamw_torch":
         said.append(f"{Knob.FSDP2.value}: bitsandbytes' optimizers under FSDP2 are not modelled")

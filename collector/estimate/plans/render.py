@@ -40,8 +40,8 @@ def render_plans(r: PlanResult) -> str:
         "",
         f"{r.traces} step(s) traced, {r.reheld} held again under other allocator settings "
         f"from a trace's allocation log, in {r.seconds:g} s. A plan fits when its reserved peak "
-        "stays under the limit without the allocator freeing its cache; FLOPs are torch's "
-        "FlopCounterMode's count on the traced shapes (work, not time).",
+        "stays under the limit without the allocator freeing its cache; FLOPs are counted "
+        "with torch's FLOP formulas on the traced shapes (work, not time).",
     ]
     return "\n".join(lines)
 
