@@ -170,6 +170,29 @@ def _estimate_output_flags(e) -> None:
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
+def _workload_flags(e, workloads, shards) -> None:
+    """The loop traced, and FSDP2's ranks."""
+    e.add_argument(
+        "--workload",
+        choices=workloads,
+        help="finetune: the HF Trainer's step (bf16 autocast, gradient checkpointing, "
+        "gradients freed after the step); distributed: workloads/distributed.py's plain loop "
+        "(fp32, gradients kept, FSDP2 by default). Default finetune",
+    )
+    e.add_argument(
+        "--shard",
+        choices=shards,
+        help="fully_shard every decoder layer and the root (default: fsdp2 for distributed, "
+        "none for finetune)",
+    )
+    e.add_argument(
+        "--world-size",
+        type=args.positive_int,
+        metavar="N",
+        help="ranks the model is sharded over; one rank is estimated (default 1)",
+    )
+
+
 def estimate_parser(sub) -> None:
     from collector.estimate.spec import OPTIMS, SHAPES, SHARDS, WORKLOADS
 
@@ -183,25 +206,7 @@ def estimate_parser(sub) -> None:
         epilog=ESTIMATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    e.add_argument(
-        "--workload",
-        choices=WORKLOADS,
-        help="finetune: the HF Trainer's step (bf16 autocast, gradient checkpointing, "
-        "gradients freed after the step); distributed: workloads/distributed.py's plain loop "
-        "(fp32, gradients kept, FSDP2 by default). Default finetune",
-    )
-    e.add_argument(
-        "--shard",
-        choices=SHARDS,
-        help="fully_shard every decoder layer and the root (default: fsdp2 for distributed, "
-        "none for finetune)",
-    )
-    e.add_argument(
-        "--world-size",
-        type=args.positive_int,
-        metavar="N",
-        help="ranks the model is sharded over; one rank is estimated (default 1)",
-    )
+    _workload_flags(e, WORKLOADS, SHARDS)
     model = e.add_mutually_exclusive_group()
     model.add_argument(
         "--size",
