@@ -244,3 +244,46 @@ def test_a_step_that_fits_needs_no_plan():
     p = _cli("--size", "tiny", "--gpu", "8", "--plan")
     assert p.returncode == 0, p.stderr
     assert "The step fits as asked" in p.stdout
+
+
+def _run(ooms: int, peak_gib: float, workload: str = "finetune"):
+    from collector.analysis.runs import Run
+    from tests.records import GIB, step_record_data, typed
+
+    d = step_record_data()
+    d["torch_end"]["num_ooms"] = ooms
+    d["nvml_peak_bytes"] = int(peak_gib * GIB)
+    sampler = {"gpu_uuid": "GPU-abc", "node_id": "n", "index": 0, "total_bytes": 140 * GIB}
+    meta = {
+        "samplers": [{**sampler, "name": "NVIDIA H200"}],
+        "workload_summary": {"workload": workload, "size": "7b"},
+    }
+    return Run("r", meta, typed([d]), source="runs/r")
+
+
+def test_a_run_that_ran_out_or_sat_at_the_edge_offers_the_plan_search():
+    from collector.analysis.make_it_fit import offer
+
+    out = offer(_run(ooms=1, peak_gib=90))
+    assert "It ran out of memory (1 time torch counted)" in out[0]
+    assert out[1].split() == [
+        "stepmem", "estimate", "--like", "runs/r", "--gpu", "'NVIDIA", "H200'", "--plan",
+    ]  # fmt: skip
+    assert shlex.split(out[1])[5] == "NVIDIA H200"
+    assert "sat within 2% of the card's 140.00 GiB" in offer(_run(ooms=0, peak_gib=138))[0]
+    assert offer(_run(ooms=0, peak_gib=90)) == []  # room left: nothing offered
+    assert offer(_run(ooms=1, peak_gib=90, workload="spiky")) == []  # --like reads finetune
+
+
+def test_a_plan_of_a_measured_run_keeps_its_model_and_sets_the_knobs(tmp_path):
+    """``--like RUN --plan``: the run's model, optimizer and batch, and a plan's --batch and
+    --grad-accum win over the run's (what the flags name wins)."""
+    summary = {"workload": "finetune", "size": "tiny", "optim": "adamw_torch", "seq_len": 256}
+    summary.update(batch=8, grad_accum=1)
+    flags = _flags(["--like", str(tmp_path / "run"), "--gpu", "8", "--plan"])
+    req = plan_estimate(flags, cuda=False, like=summary)
+    assert (req.spec.size, req.spec.batch, req.spec.grad_accum) == ("tiny", 8, 1)
+    t = knobs.turn((Knob.MICRO_BATCH, (2, 4)))
+    planned = plan_estimate(knobs.flags_of(flags, t, ""), cuda=False, like=summary)
+    assert (planned.spec.size, planned.spec.batch, planned.spec.grad_accum) == ("tiny", 2, 4)
+    assert ["--like", str(tmp_path / "run")] == list(argv(knobs.flags_of(flags, t, ""))[:2])

@@ -14,6 +14,7 @@ from typing import Any
 
 from collector.analysis.diagnose_run import RunDiagnosis, StreamDiagnosis, diagnose_run
 from collector.analysis.diagnosis import Finding, FindingKind, steps_text
+from collector.analysis.make_it_fit import offer
 from collector.analysis.predicted_vs_measured import render_reconciliation
 from collector.analysis.runs import Run, Stream, replay_speed
 from collector.model.kinds import MemoryKind
@@ -175,6 +176,8 @@ def render(run: Run, d: RunDiagnosis, verbose: bool = False, all_steps: bool = F
         _fleet(run, d, console)
     if d.history is not None and run.root is not None:
         _sites(run.root / "history", d.history, console)
+    for line in offer(run):
+        console.print(Text(line))
     text = console.export_text()
     if d.estimate is not None:
         text = text.rstrip("\n") + "\n\n" + _reconciliation(d) + "\n"
