@@ -450,6 +450,28 @@ def test_the_lora_flags_give_what_the_qlora_script_gives(model_dir):
     for kind in ("parameters", "optimizer_state"):
         assert flags.at_end[kind] == script.at_end[kind], kind
     assert flags.spec["lora_r"] == 16 and flags.spec["load_in_4bit"]
+    # built as from_pretrained quantises: the GPU never holds the model in full precision, so
+    # what torch reserves is the script's (the flags' path reserved 26.6 GiB for a 7B, the
+    # script 7.6, when the base was built whole on the device and quantised there)
+    assert flags.reserved_peak == script.reserved_peak, (flags.steps, script.steps)
+
+
+def test_a_4bit_base_is_loaded_a_layer_at_a_time():
+    """While the 4-bit base is built, the (fake) GPU holds less than the model would in full
+    precision: each linear layer's bf16 weight is on it only while it is quantised."""
+    from collector.estimate import Spec, estimate
+    from collector.estimate.alloc_log import simulate
+    from collector.estimate.allocator import AllocatorConfig
+    from collector.model.kinds import Phase
+
+    logs = []
+    spec = Spec(size="tiny", seq_len=32, lora_r=8, load_in_4bit=True)
+    est = estimate(spec, logs=logs)
+    build = simulate(logs[0].events, AllocatorConfig()).over(str(Phase.BUILD))
+    whole = estimate(Spec(size="tiny", seq_len=32)).parameters_count  # the base, unquantised
+    assert est.parameters_count < whole  # (packed 4-bit bytes counted as parameters)
+    # 423,424 B; building the base whole in float32 first held 658,944 (whole: 591,104)
+    assert 0 < build.allocated_peak < 4 * whole
 
 
 def test_lora_on_fake_tensors_equals_lora_on_real_tensors():

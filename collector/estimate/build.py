@@ -52,7 +52,13 @@ def build_model(spec: Spec, device: Any = None) -> Any:
     """``spec``'s model (a Hugging Face config's, or a built-in Llama shape), with the Hub
     off (:func:`offline`); a 4-bit base and LoRA adapters as ``spec`` asks
     (:mod:`collector.estimate.lora`)."""
-    model = _base_model(spec)
+    if spec.load_in_4bit:  # as from_pretrained quantises: no full-precision model on the GPU
+        import torch
+
+        with torch.device("meta"):
+            model = _base_model(spec)
+    else:
+        model = _base_model(spec)
     if spec.lora_r or spec.load_in_4bit:
         from collector.estimate.lora import DEFAULT_TARGETS, adapt
 

@@ -69,8 +69,10 @@ def _quantise_4bit(model: Any, device: Any) -> None:
                 quant_type="nf4",
                 device="meta",
             )
+            w = child.weight  # built on the meta device: loaded now, in bf16, one at a time
+            loaded = torch.empty(w.shape, dtype=torch.bfloat16, device=device) if w.is_meta else w
             q.weight = bnb.nn.Params4bit(
-                child.weight.data.to(torch.bfloat16),
+                loaded.data.to(torch.bfloat16),
                 requires_grad=False,
                 compress_statistics=True,
                 quant_type="nf4",
@@ -80,8 +82,43 @@ def _quantise_4bit(model: Any, device: Any) -> None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             q.weight.to(device)  # bitsandbytes quantises in place (Params4bit._quantize)
             setattr(module, child_name, q)
-            del child
+            del child, w, loaded
     model.is_loaded_in_4bit = True
+
+
+def _load_bf16(model: Any, device: Any) -> None:
+    """A base built on the meta device loaded as ``from_pretrained(…, load_in_4bit=True)``
+    loads it: every parameter and buffer on ``device``, floating ones in bf16 (the recipe's
+    ``torch_dtype``), but the linear layers' weights, which :func:`_quantise_4bit` loads one at
+    a time and quantises — the GPU never holds the full-precision model. Tied parameters stay
+    tied. (A base built on the device is cast in place, as before.)"""
+    import torch
+
+    quantised = {
+        id(child.weight)
+        for m in model.modules()
+        for name, child in m.named_children()
+        if type(child) is torch.nn.Linear and name != HEAD
+    }
+    made: dict[int, Any] = {}
+    for m in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            tensors = getattr(m, kind)
+            for name, t in list(tensors.items()):
+                if t is None or id(t) in quantised:
+                    continue
+                dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+                if not t.is_meta:
+                    t.data = t.data.to(dtype)
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=dtype, device=device)
+                    made[id(t)] = (
+                        torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                        if kind == "_parameters"
+                        else new
+                    )
+                tensors[name] = made[id(t)]
 
 
 def adapt(model: Any, device: Any, lora_r: int, targets: tuple[str, ...], in_4bit: bool) -> Any:
@@ -89,9 +126,7 @@ def adapt(model: Any, device: Any, lora_r: int, targets: tuple[str, ...], in_4bi
     import torch
 
     if in_4bit:
-        for t in (*model.parameters(), *model.buffers()):
-            if t.is_floating_point():
-                t.data = t.data.to(torch.bfloat16)  # the recipe loads the base in bf16
+        _load_bf16(model, device)
         _quantise_4bit(model, device)
     if not lora_r:
         return model
