@@ -466,10 +466,9 @@ def test_a_4bit_base_is_loaded_a_layer_at_a_time():
 
     logs = []
     spec = Spec(size="tiny", seq_len=32, lora_r=8, load_in_4bit=True)
-    est = estimate(spec, logs=logs)
+    estimate(spec, logs=logs)
     build = simulate(logs[0].events, AllocatorConfig()).over(str(Phase.BUILD))
     whole = estimate(Spec(size="tiny", seq_len=32)).parameters_count  # the base, unquantised
-    assert est.parameters_count < whole  # (packed 4-bit bytes counted as parameters)
     # 423,424 B; building the base whole in float32 first held 658,944 (whole: 591,104)
     assert 0 < build.allocated_peak < 4 * whole
 
