@@ -123,8 +123,6 @@ def _load_bf16(model: Any, device: Any) -> None:
 
 def adapt(model: Any, device: Any, lora_r: int, targets: tuple[str, ...], in_4bit: bool) -> Any:
     """``model`` quantised to 4 bits and/or given LoRA adapters (see the module doc)."""
-    import torch
-
     if in_4bit:
         _load_bf16(model, device)
         _quantise_4bit(model, device)

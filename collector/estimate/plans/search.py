@@ -27,6 +27,7 @@ from collector.estimate.limits import time_limited
 from collector.estimate.plans.command import argv
 from collector.estimate.plans.cost import cost
 from collector.estimate.request import EstimateRequest, plan_estimate
+from collector.estimate.spec import MAX_SEQ
 from collector.estimate.trace import estimate
 from collector.estimate.tracing import hold_steps
 from collector.model.errors import EstimateError
@@ -61,6 +62,7 @@ class _Search:
     traced: int = 0
     reheld: int = 0
     refused: set[Knob] = field(default_factory=set)  # knobs whose requests were refused
+    tried_turns: dict[knobs.Turn, Plan | None] = field(default_factory=dict)
 
     def trace(self, r: EstimateRequest) -> Estimate:
         """``r``'s step, traced once per spec (held under ``r``'s allocator settings)."""
@@ -131,29 +133,66 @@ def find_plans(
 
 
 def _walk(s: _Search, original: Estimate, turns: list[knobs.Turn], expandable: bool) -> None:
-    """Each turn in order, and its expandable-segments twin, until enough fit or the budget
-    is spent."""
+    """The turns a group at a time (the same training, then each change), each group's
+    strongest turn first (:func:`_bound`): where even that does not fit, no turn of the group
+    is traced. Then each turn in order, and its expandable-segments twin, until enough fit or
+    the budget is spent."""
+    groups: dict[frozenset[Knob], list[knobs.Turn]] = {}
     for t in turns:
-        same = all(k.same for k, _ in t)
-        found = sum(1 for _t, p in s.fitting if p.same_training == same)
-        if found >= (SAME_WANTED if same else CHANGED_WANTED):
+        groups.setdefault(frozenset(k for k, _ in t if not k.same), []).append(t)
+    for changed, group in groups.items():
+        wanted = CHANGED_WANTED if changed else SAME_WANTED
+        if sum(1 for _t, p in s.fitting if p.same_training == (not changed)) >= wanted:
             continue
         if s.traced > MAX_TRACES:
             s.say(f"the plan search stops at {MAX_TRACES} traces")
             break
-        if any(k in s.refused for k, _ in t):
+        tried = list(_variants(s, original, _bound(group), expandable)) if len(group) > 1 else []
+        if tried and all(p is not None and not p.fits for _v, p in tried):  # traced: too big
+            what = (
+                " + ".join(k.value for k in sorted(changed, key=list(Knob).index))
+                or "the same training"
+            )
+            s.say(f"{what}: not even its strongest plan fits; its other plans are not traced")
             continue
-        for variant in (t, knobs.turn(*t, (Knob.ALLOCATOR, True))) if expandable else (t,):
-            if not variant or knobs.dominated(variant, [f for f, _p in s.fitting]):
-                continue
-            plan = _try(s, original, variant)
-            if plan is not None and plan.fits:
-                s.fitting.append((variant, plan))
-                break  # its expandable twin changes more
+        for t in group:
+            if sum(1 for _t, p in s.fitting if p.same_training == (not changed)) >= wanted:
+                break
+            for variant, plan in _variants(s, original, t, expandable):
+                if plan is not None and plan.fits:
+                    s.fitting.append((variant, plan))
+                    break  # its expandable twin changes more
+
+
+def _bound(group: list[knobs.Turn]) -> knobs.Turn:
+    """The group's strongest turn: the most knobs, then the smallest micro-batch."""
+    return max(group, key=lambda t: (len(t), -dict(t).get(Knob.MICRO_BATCH, (MAX_SEQ,))[0]))
+
+
+def _variants(s: _Search, original: Estimate, t: knobs.Turn, expandable: bool) -> Any:
+    """``t`` and its expandable twin with their plans, each tried in turn (lazily: the twin
+    only when ``t`` does not fit); a plan None where the turn is pointless (a fitting plan
+    changes less) or refused."""
+    for variant in (t, knobs.turn(*t, (Knob.ALLOCATOR, True))) if expandable else (t,):
+        pointless = not variant or any(k in s.refused for k, _ in variant)
+        if pointless or knobs.dominated(variant, [f for f, _p in s.fitting]):
+            yield variant, None
+            continue
+        plan = _try(s, original, variant)
+        yield variant, plan
+        if plan is not None and plan.fits:
+            return
 
 
 def _try(s: _Search, original: Estimate, t: knobs.Turn) -> Plan | None:
-    """One turn traced (or held again) and judged; None: the flags it gives are refused."""
+    """One turn traced (or held again) and judged, once; None: the flags it gives are
+    refused."""
+    if t not in s.tried_turns:
+        s.tried_turns[t] = _judge(s, original, t)
+    return s.tried_turns[t]
+
+
+def _judge(s: _Search, original: Estimate, t: knobs.Turn) -> Plan | None:
     req, spec = s.req, s.req.spec
     assert req.origin is not None and spec is not None
     flags, like, cuda = req.origin
