@@ -4,7 +4,8 @@ FSDP2 (``--keep``: the plans are then the ones ``benchmarks/fit_loop.py`` trains
 checkpointing, expandable segments, shorter sequences). ``run``, on the GPU, trains the step as
 asked and the top plans of each search for three steps with torch capped at what the card
 leaves (``fit_loop.py --card-gib``, the bytes ``--gpu`` holds a step against) and writes the
-table: the step as asked should run out of memory, each plan should not.
+table: the step as asked should run out of memory, each plan should not. Beside it, Accelerate's
+``find_executable_batch_size`` on the step as asked: the GPU runs it needs to find a batch.
 
     python benchmarks/plan_check.py plan --out benchmarks/results/plans/gpu
     python benchmarks/plan_check.py run --plans benchmarks/results/plans/gpu --out "$OUT"
@@ -29,7 +30,7 @@ TOP = 2  # plans trained a search
 # (case, the model's flags, the step's flags, the card sizes in GiB)
 CASES = [
     ("gpt2-medium", ["--config", f"{CONFIGS}/gpt2-medium.json"], ["--batch", "8"], (12, 16)),
-    ("gpt2-large", ["--config", f"{CONFIGS}/gpt2-large.json"], ["--batch", "8"], (16, 24)),
+    ("gpt2-large", ["--config", f"{CONFIGS}/gpt2-large.json"], ["--batch", "8"], (20, 24)),
     ("llama-small", ["--size", "small"], ["--batch", "16", "--seq-len", "2048"], (12, 24)),
 ]  # fmt: skip
 STEP = ["--optim", "adamw_torch", "--grad-accum", "2", "--no-checkpointing", "--margin", "2"]
@@ -41,11 +42,13 @@ def _args(model: list[str], step: list[str], gib: int) -> list[str]:
     return [*model, *step, *seq, *STEP, "--gpu", str(gib)]
 
 
-def plan(out: Path) -> int:
+def plan(out: Path, only: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, model, step, cards in CASES:
         for gib in cards:
             case = f"{name}-{gib}gib"
+            if only and case not in only:
+                continue
             args = [*_args(model, step, gib), "--plan", "--keep", KEEP]
             t0 = time.monotonic()
             est = ["--out", str(out / f"{case}.json"), "--force"]
@@ -112,19 +115,22 @@ def _train(command: list[str]) -> dict:
     }
 
 
-def run(plans: Path, out: Path) -> int:
+def run(plans: Path, out: Path, only: list[str] | None = None) -> int:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict] = []
     for f in sorted(plans.glob("*.json")):
+        if only and f.stem not in only:
+            continue
         doc = json.loads(f.read_text())
         r = doc["plans"]
         original = _original(f)
         rows.append(
             {"case": f.stem, "plan": "as asked", "predicted": r["need"], **_train(original)}
         )
-        print(json.dumps(rows[-1]), flush=True)
+        rows[-1].update(_finder_in_child(original))
+        _keep(out, rows[-1])
         for i, p in enumerate(r["plans"][:TOP], 1):
             row = {
                 "case": f.stem,
@@ -132,12 +138,72 @@ def run(plans: Path, out: Path) -> int:
                 "predicted": p["need"],
             }
             rows.append({**row, "command": p["command"], **_train(p["command"])})
-            print(json.dumps(rows[-1]), flush=True)
+            _keep(out, rows[-1])
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     (out / "plan_check.json").write_text(
         json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n"
     )
     return 0
+
+
+def finder(command: list[str]) -> dict:
+    """Accelerate's ``find_executable_batch_size`` on the step as asked (on the GPU): the loop
+    trained from the asked micro-batch down, as Accelerate shrinks it after each out-of-memory
+    error (the micro-batches a step kept, so the global batch shrinks with it); how many runs
+    it took and ran out, and the batch it found."""
+    import contextlib
+    import io
+
+    import fit_loop
+    import torch
+    from accelerate.utils import find_executable_batch_size
+
+    args, _env, spec = _loop_args(command)
+    runs: list[int] = []
+    t0 = time.monotonic()
+
+    @find_executable_batch_size(starting_batch_size=spec["batch"])
+    def train(batch_size: int) -> int:
+        runs.append(batch_size)
+        at = list(args)
+        at[at.index("--batch") + 1] = str(batch_size)
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = fit_loop.main([*at, "--no-probe"])
+        if rc == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. (fit_loop.py)")
+        return batch_size
+
+    found: int | None
+    try:
+        found = train()
+    except RuntimeError:  # no batch fits: Accelerate gives up
+        found = None
+    return {
+        "finder_runs": len(runs),
+        "finder_out_of_memory": len(runs) - (1 if found else 0),
+        "finder_batches": runs,
+        "finder_found": found,
+        "finder_seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def _keep(out: Path, row: dict) -> None:
+    """A row printed and appended to ``rows.jsonl`` as it comes (a run cut short keeps it)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    with open(out / "rows.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def _finder_in_child(command: list[str]) -> dict:
+    p = subprocess.run(
+        [sys.executable, "benchmarks/plan_check.py", "finder", "--", *command],
+        cwd=ROOT, capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"finder_error": p.stderr[-1500:]}
 
 
 def _original(f: Path) -> list[str]:
@@ -151,12 +217,20 @@ def _original(f: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    sub.add_parser("plan").add_argument("--out", type=Path, required=True)
+    pl = sub.add_parser("plan")
+    pl.add_argument("--out", type=Path, required=True)
+    pl.add_argument("--case", action="append", help="only this case (NAME-GIBgib)")
     r = sub.add_parser("run")
     r.add_argument("--plans", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--case", action="append", help="only this case (NAME-GIBgib)")
+    sub.add_parser("finder").add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args()
-    return plan(a.out) if a.what == "plan" else run(a.plans, a.out)
+    if a.what == "finder":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        print(json.dumps(finder([c for c in a.command if c != "--"])))
+        return 0
+    return plan(a.out, a.case) if a.what == "plan" else run(a.plans, a.out, a.case)
 
 
 if __name__ == "__main__":

@@ -165,8 +165,14 @@ def _walk(s: _Search, original: Estimate, turns: list[knobs.Turn], expandable: b
 
 
 def _bound(group: list[knobs.Turn]) -> knobs.Turn:
-    """The group's strongest turn: the most knobs, then the smallest micro-batch."""
-    return max(group, key=lambda t: (len(t), -dict(t).get(Knob.MICRO_BATCH, (MAX_SEQ,))[0]))
+    """The group's strongest turn: the most knobs, then the smallest micro-batch, then the
+    shortest sequence."""
+
+    def strength(t: knobs.Turn) -> tuple[int, int, int]:
+        d = dict(t)
+        return (len(t), -d.get(Knob.MICRO_BATCH, (MAX_SEQ,))[0], -d.get(Knob.SEQ_LEN, MAX_SEQ))
+
+    return max(group, key=strength)
 
 
 def _variants(s: _Search, original: Estimate, t: knobs.Turn, expandable: bool) -> Any:
