@@ -7,6 +7,7 @@ plan, run as printed, fits; a step nothing fixes is exit 3."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -238,6 +239,11 @@ def test_a_step_nothing_makes_fit_is_exit_3():
     p = _cli(*tight, "--plan", "--keep", "seq_len,lora,qlora")
     assert p.returncode == 3, p.stderr
     assert "no plan found fits" in p.stderr and "Traced, and do not fit:" in p.stdout
+    # a group whose strongest plan does not fit is not walked: the step as asked, and one
+    # trace for each group (the same training, 8-bit AdamW, paged 8-bit AdamW)
+    traced = int(re.search(r"(\d+) step\(s\) traced", p.stdout).group(1))
+    assert traced == 4, p.stdout
+    assert p.stderr.count("not even its strongest plan fits") == 3, p.stderr
 
 
 def test_a_step_that_fits_needs_no_plan():
