@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields, replace
@@ -225,3 +226,44 @@ def test_progress_reaches_a_file_or_pipe_as_plain_lines(tmp_path):
     assert "\x1b" not in r.stderr and "\r" not in r.stderr
     r = _cli("--size", "tiny", "--json", cwd=tmp_path)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def _parsed(args: list[str]) -> EstimateFlags:
+    return EstimateFlags.of(build_parser().parse_args(["estimate", *args]))
+
+
+def _quantised_config(tmp_path, q):
+    from collector.estimate.spec import SHAPES
+
+    cfg = {"model_type": "llama", **SHAPES["tiny"], "quantization_config": q}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("q", "says"),
+    [
+        ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit weights"),
+        ({"quant_method": "gptq", "bits": 4}, "(gptq) is not modelled"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "add --lora-r R"),
+    ],
+)
+def test_a_configs_quantization_is_honoured_or_refused_by_name(tmp_path, q, says):
+    """#37: a pre-quantised checkpoint's config is not estimated as a full-precision model."""
+    path = _quantised_config(tmp_path, q)
+    with pytest.raises(EstimateError, match=re.escape(says)):
+        plan_estimate(_parsed(["--config", str(path)]), cuda=False)
+
+
+def test_a_4bit_quantization_config_is_the_4bit_base(tmp_path):
+    path = _quantised_config(tmp_path, {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    spec = plan_estimate(_parsed(["--config", str(path), "--lora-r", "8"]), cuda=False).spec
+    assert spec.load_in_4bit and spec.lora_r == 8
+    from collector.estimate.trace import estimate
+
+    by_config = estimate(replace(spec, seq_len=32))
+    plain = dict(spec.config)
+    del plain["quantization_config"]
+    by_flag = estimate(replace(spec, config=plain, seq_len=32))
+    assert by_config.at_end == by_flag.at_end and by_config.steady == by_flag.steady

@@ -375,6 +375,8 @@ def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
     )
     given.update(shard=flags.shard, world_size=flags.world_size)
     spec = Spec.for_machine(cuda, workload, **given)
+    if spec.config is not None:
+        spec = _quantised(spec, flags)
     if flags.like is not None:  # the run's model and batch; what the flags name wins
         spec = spec.like(like, str(flags.like))
         named = {
@@ -385,6 +387,30 @@ def _spec(flags: EstimateFlags, cuda: bool, like: Any) -> Spec:
         spec = replace(spec, **named)
     spec.validate()
     return spec
+
+
+def _quantised(spec: Spec, flags: EstimateFlags) -> Spec:
+    """A config's ``quantization_config`` (every pre-quantised checkpoint has one) honoured:
+    bitsandbytes 4-bit is the 4-bit base ``--load-in-4bit`` builds (it trains adapters only:
+    ``--lora-r`` needed); what stepmem does not model — 8-bit weights, GPTQ, AWQ, … — is
+    refused by name rather than estimated as a full-precision model."""
+    q = (spec.config or {}).get("quantization_config")
+    if q is None:
+        return spec
+    q = q if isinstance(q, dict) else {}
+    method = str(q.get("quant_method", "?"))
+    if method == "bitsandbytes" and q.get("load_in_4bit"):
+        if not spec.lora_r:
+            raise EstimateError(
+                "--config: its quantization_config loads the base in 4 bits, which trains "
+                "adapters only: add --lora-r R (QLoRA)"
+            )
+        return replace(spec, load_in_4bit=True)
+    what = "8-bit weights (bitsandbytes' Linear8bitLt)" if q.get("load_in_8bit") else method
+    raise EstimateError(
+        f"--config: its quantization_config ({inert(what)[:60]}) is not modelled; bitsandbytes "
+        "4-bit is (a full-precision estimate of it would not be the model you load)"
+    )
 
 
 def _target(flags: EstimateFlags, cuda: bool) -> tuple[fit.Target | None, gpus.Card]:
