@@ -139,6 +139,7 @@ def run(plans: Path, out: Path, only: list[str] | None = None) -> int:
             }
             rows.append({**row, "command": p["command"], **_train(p["command"])})
             _keep(out, rows[-1])
+    (out / "table.md").write_text(table(rows))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     (out / "plan_check.json").write_text(
         json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n"
@@ -187,6 +188,37 @@ def finder(command: list[str]) -> dict:
     }
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table: each plan's predicted and measured reserved peak and
+    whether it trained; Accelerate's finder beside the step as asked."""
+    gib = 1 << 30
+    out = [
+        "| case | plan | predicted reserved | measured reserved peak | three steps | "
+        "Accelerate's finder (GPU runs, out of memory, batch found) |",
+        "| --- | --- | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        got = "—" if r.get("reserved_peak") is None else f"{r['reserved_peak'] / gib:.2f} GiB"
+        ran = (
+            f"out of memory in step {r['oom_step']}"
+            if r.get("oom")
+            else f"trained ({r['retries']} cache flushes)"
+            if r.get("exit") == 0
+            else f"exit {r.get('exit')}"
+        )
+        finder = (
+            f"{r['finder_runs']} runs, {r['finder_out_of_memory']} out of memory, "
+            f"micro-batch {r['finder_found']} × 2"
+            if "finder_runs" in r
+            else ""
+        )
+        out.append(
+            f"| {r['case']} | {r['plan']} | {r['predicted'] / gib:.2f} GiB | {got} | {ran} | "
+            f"{finder} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def _keep(out: Path, row: dict) -> None:
     """A row printed and appended to ``rows.jsonl`` as it comes (a run cut short keeps it)."""
     line = json.dumps(row)
@@ -225,7 +257,12 @@ def main() -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--case", action="append", help="only this case (NAME-GIBgib)")
     sub.add_parser("finder").add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("table").add_argument("rows", type=Path, help="a run's rows.jsonl")
     a = ap.parse_args()
+    if a.what == "table":
+        rows = [json.loads(line) for line in a.rows.read_text().splitlines() if line.strip()]
+        print(table(rows), end="")
+        return 0
     if a.what == "finder":
         sys.path.insert(0, str(ROOT / "benchmarks"))
         print(json.dumps(finder([c for c in a.command if c != "--"])))

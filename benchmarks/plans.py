@@ -84,7 +84,29 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     (a.out / "plans.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (a.out / "table.md").write_text(table(rows))
     return 0
+
+
+def table(rows: list[dict]) -> str:
+    """The cases as a markdown table: the step as asked, the search's work, its first plans."""
+    gib = 1 << 30
+    out = [
+        "| case | as asked needs | traces (re-held) | seconds | plans that fit | first plan "
+        "| first plan run as printed |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]  # fmt: skip
+    for r in rows:
+        first = r["plans"][0] if r["plans"] else None
+        same = sum(1 for p in r["plans"] if p["same_training"])
+        said = f"{'; '.join(first['changes'])} ({first['need'] / gib:.2f} GiB)" if first else "none"
+        fits = "says it fits" if r.get("first_plan_says_fits") else "—"
+        out.append(
+            f"| {r['case']} | {r['need'] / gib:.2f} GiB of {r['usable'] / gib:.2f} | "
+            f"{r['traces']} ({r['reheld']}) | {r['seconds']:.0f} | {len(r['plans'])} "
+            f"({same} the same training) | {said} | {fits} |"
+        )
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
