@@ -32,6 +32,11 @@ your own script:
   placeholders; exit 4: they changed the figures (printed, with the line that read the value,
   and no verdict on fitting). --max-batch --batch-arg NAME: the largest value of the script's
   own option NAME that fits, the script traced at each size.
+make it fit:
+  stepmem estimate --size 7b --gpu 24 --plan [--keep optim,lora]
+  the changes that make the step fit, each traced and printed as the command that checks it:
+  the same training first (micro-batches, checkpointing, expandable segments, FSDP2), then 8-bit
+  optimizers, LoRA, QLoRA, shorter sequences (exit 3: none fits).
 not modelled:
   other processes on the GPU; kernels' internal workspaces other than cuBLAS's (cuDNN, NCCL's
   buffers beyond the calibrated figure); CUDA graphs; data-dependent shapes (the trace stops
