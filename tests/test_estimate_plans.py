@@ -10,7 +10,6 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from collector.estimate.spec import Spec, read_config
 from collector.model.errors import EstimateError
 from collector.model.plans import Knob
 from collector.model.prediction import load_estimate
+from tests.cli import stepmem
 
 ROOT = Path(__file__).resolve().parent.parent
 # the tiny model at 8 × 256 without checkpointing: 70 MiB reserved; 4 × 2 64 MiB, 2 × 4 42 MiB
@@ -41,13 +41,7 @@ def _flags(args: list[str]) -> EstimateFlags:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "collector.cli", "estimate", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    return stepmem("estimate", *args, timeout=600)
 
 
 def test_smaller_micro_batches_keep_the_global_batch():
