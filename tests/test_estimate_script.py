@@ -327,7 +327,7 @@ def test_a_line_fake_tensors_cannot_run_is_named(tmp_path, record_fault):
     )
 
 
-NANOGPT_BATCH = (
+DEVICE_INDICES = (
     "import numpy as np, torch\n"
     "from collector.probe.core import StepProbe\n"
     "data = np.arange(50_000, dtype=np.uint16) % 256  # a token memmap, as nanoGPT's\n"
@@ -336,7 +336,7 @@ NANOGPT_BATCH = (
     "probe = StepProbe().watch(emb, opt)\n"
     "for step in range(3):\n"
     "    with probe.step(step):\n"
-    "        ix = torch.randint(len(data) - 128, (12,))\n"
+    "        ix = torch.randint(len(data) - 128, (12,), device='cuda')  # drawn on the GPU\n"
     "        x = torch.stack([torch.from_numpy(data[i:i + 128].astype(np.int64)) for i in ix])\n"
     "        x = x.to('cuda')\n"
     "        loss = torch.nn.functional.cross_entropy(head(emb(x)).flatten(0, 1), x.flatten())\n"
@@ -363,14 +363,15 @@ A_BRANCH = (
 
 @pytest.mark.parametrize(
     ("name", "body", "line"),
-    [("nanogpt_batch", NANOGPT_BATCH, 10), ("a_branch", A_BRANCH, 9)],
+    [("device_indices", DEVICE_INDICES, 10), ("a_branch", A_BRANCH, 9)],
 )
 def test_a_placeholder_that_decides_the_figures_is_named_and_exit_4(
     tmp_path, name, body, line, record_fault
 ):
-    """nanoGPT's ``get_batch`` slices its token array with indices from ``torch.randint``: each
-    index read from a fake tensor is a placeholder, and both ends of the slice read the same one
-    (a batch of 12 × 0 tokens: activations 0). A branch on a value does the same. The second
+    """nanoGPT's ``get_batch`` with its indices drawn on the GPU: each index read from a fake
+    tensor is a placeholder, and both ends of the slice read the same one (a batch of 12 × 0
+    tokens: activations 0; drawn on the host, as nanoGPT draws them, the indices are real:
+    tests/test_estimate_host.py). A branch on a device value does the same. The second
     trace with other placeholders gives other figures: the line that read the value is named
     first, there is no verdict on fitting, and the exit status is 4."""
     script = tmp_path / f"{name}.py"

@@ -34,6 +34,7 @@ __all__ = [
     "parameter_subclasses",
     "place",
     "pools_inline",
+    "values_formatted",
 ]
 
 PLACEHOLDERS = {"float": 1.0, "int": 1, "bool": False}  # what a read of a fake value answers
@@ -209,9 +210,11 @@ def _same(filename: str, script: Path) -> bool:
         return False
 
 
-def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
+def fake_mode(reads: Reads, allow_real: bool = True, host: Any = None) -> Any:
     """Torch's fake mode, answering a read of a value as a healthy run would (:class:`Healthy`)
-    where that needs no data, else with a placeholder (``reads``)."""
+    where that needs no data, else with a placeholder (``reads``). ``host``: a script's host
+    side (:mod:`collector.estimate.script.host`): ``host.real_op(func, args, kwargs)`` whether an
+    operator runs for real instead, on real tensors."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -220,8 +223,12 @@ def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
     healthy = Healthy()
 
     class ScriptFakeMode(FakeTensorMode):
+        inside = 0  # calls of this mode's own dispatch under way (its rules call factories)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if host is not None and not self.inside and host.real_op(func, args, kwargs):
+                return func(*args, **kwargs)  # (not a factory the fake mode's own rules call)
             if func is aten._to_copy.default and args[0].device.type == "meta":
                 dev = kwargs.get("device")
                 if dev is not None and torch.device(dev).type != "meta":  # weights, loaded
@@ -243,7 +250,11 @@ def fake_mode(reads: Reads, allow_real: bool = True) -> Any:
                 if dtype == torch.bool:
                     return bool(known)
                 return float(known) if dtype.is_floating_point else int(known)
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.inside += 1
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.inside -= 1
             healthy.after(func, args, kwargs, out)
             return out
 
@@ -281,6 +292,22 @@ def conversions_in_place() -> Iterator[None]:
         return self
 
     with swapped(torch.nn.Module, _apply=_apply):
+        yield
+
+
+@contextlib.contextmanager
+def values_formatted() -> Iterator[None]:
+    """``f"{loss:.4f}"`` of a fake 0-dim tensor formats its value (a placeholder), as torch
+    formats a real one's; torch formats only plain tensors so and raises for a fake."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def format_(self: Any, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return torch.Tensor.__format__(self, spec)
+
+    with swapped(FakeTensor, __format__=format_):
         yield
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import collector.estimate.build as build
 import collector.estimate.cuda_rules as cuda_rules
+import collector.estimate.script.host as host
 from collector.estimate.alloc_log import AllocationLog
 from collector.estimate.allocator_config import AllocatorConfig
 from collector.estimate.fakes import (
@@ -43,6 +44,7 @@ from collector.estimate.fakes import (
     fake_mode,
     parameter_subclasses,
     pools_inline,
+    values_formatted,
 )
 from collector.estimate.fit import Target
 from collector.estimate.gpus import Card
@@ -171,9 +173,13 @@ class _Run:
                     lambda d: self.on_autocast(d, st),
                     self.cuda,
                     lambda: self.reads.answer(torch.float32),
+                    fakes=not self.real,
                 )
             )
             st.enter_context(cuda_optimizer_defaults(stand_in=not self.cuda))
+            st.enter_context(host.workers_plain())  # the dataset in its workers: real tensors
+            if not self.cuda:
+                st.enter_context(host.pinning_on_stand_in())
             if not self.real:
                 self._fakes(st)
             st.enter_context(self.log.resizes())
@@ -198,7 +204,8 @@ class _Run:
 
     def _fakes(self, st: contextlib.ExitStack) -> None:
         """Fake tensors and what a script needs of them (:mod:`.fakes`), weights as shapes."""
-        st.enter_context(fake_mode(self.reads))
+        st.enter_context(fake_mode(self.reads, host=host))
+        st.enter_context(values_formatted())
         st.enter_context(conversions_in_place())
         st.enter_context(data_follows_device())
         st.enter_context(fake_deepcopy())
@@ -227,11 +234,12 @@ class _Run:
             self.error = describe(exc, self.script)
 
     def _drop_step_counters(self) -> None:
-        """The optimizers' step counters: CUDA keeps them on the host, the stand-in on its
-        device; they are not the GPU's bytes."""
+        """The optimizers' step counters: CUDA keeps them on the host, the stand-in (on real
+        tensors) on its device; they are not the GPU's bytes."""
         if self.cuda:
             return
         counters = [c for opt in list(self.steps.optimizers) for c in step_counters(opt)]
+        counters = [c for c in counters if c.device == self.device]  # (else the host's already)
         self.log.drop({k for k in map(self.log.key_of, counters) if k is not None})
         n = sum(c.numel() * c.element_size() for c in counters)
         for d in (*self.steps.per_step, self.steps.at_end):
@@ -274,7 +282,13 @@ def trace_script(
         _before_the_stand_in()
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if cuda
+        else torch.device("cpu")
+        if real  # real CPU tensors: the host's device is the stand-in's too
+        else host.stand_in()
+    )
     run = _Run(script, cuda, device, allocator, real, other)
     hook = _optimizers_seen(run.steps)
     try:
@@ -325,7 +339,7 @@ def _result(run: _Run, args: list[str], seconds: float) -> Estimate:
             "steps": s.numbers[: len(s.per_step)],
             "model": ", ".join(dict.fromkeys(type(m).__name__ for m in models))[:200],
         },
-        device=str(run.device),
+        device=str(run.device) if run.cuda else "cpu",  # (the stand-in's cpu:0)
         stand_in=not run.cuda,
         parameters_count=counts[0],
         trainable_count=counts[1],

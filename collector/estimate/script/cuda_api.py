@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from collector.estimate.script.host import on_host, stand_in
 from collector.estimate.script.stand_ins import Stream, stand_ins
 from collector.estimate.swap import swapped
 
@@ -41,13 +42,13 @@ def _is_cuda(d: Any) -> bool:
     return isinstance(d, torch.device) and d.type == "cuda"
 
 
-def _device_mode() -> Any:
-    """A ``TorchFunctionMode`` putting on the CPU what a call puts on CUDA."""
+def _device_mode(fakes: bool) -> Any:
+    """A ``TorchFunctionMode`` putting on the CPU what a call puts on CUDA: with ``fakes`` (the
+    host side real, :mod:`.host`) on the stand-in's device (``cpu:0``), else on the CPU."""
     import torch
     from torch.overrides import TorchFunctionMode
 
-    cpu = torch.device("cpu")
-    moves = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.pin_memory}
+    cpu = stand_in() if fakes else torch.device("cpu")
 
     class CudaOnCpu(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -56,16 +57,43 @@ def _device_mode() -> Any:
                 return torch.device("cuda", args[0])  # an index names the accelerator: CUDA
             if _is_cuda(kwargs.get("device")) or isinstance(kwargs.get("device"), int):
                 kwargs["device"] = cpu
-            if func in moves:
-                if func is not torch.Tensor.to:  # .cuda(), .pin_memory(): already there
-                    return args[0]
+            if func is torch.Tensor.pin_memory:
+                return args[0]
+            asked = kwargs.get("device")
+            if func is torch.Tensor.cuda:  # .cuda(device, non_blocking): on the stand-in
+                func, args, kwargs = torch.Tensor.to, (args[0], cpu), {}
+            if func is torch.Tensor.to:
                 args = tuple(
                     cpu if _is_cuda(a) or (i == 1 and type(a) is int) else a
                     for i, a in enumerate(args)
                 )
-            return func(*args, **kwargs)
+                asked = (
+                    asked
+                    if asked is not None
+                    else next((a for a in args[1:] if isinstance(a, (str, torch.device))), None)
+                )
+            out = func(*args, **kwargs)
+            if fakes and _made_on_host(out, asked, cpu):
+                # made on the CPU though the stand-in's device was asked for (torch.tensor(data,
+                # device=…) moves in C++; the fake mode runs a one-element tensor for real):
+                # the device's, of its size
+                return torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=cpu)
+            return out
 
     return CudaOnCpu()
+
+
+def _made_on_host(out: Any, device: Any, stand_in: Any) -> bool:
+    """Whether a call asked for the stand-in's device (``device``) and made a host tensor (a real
+    one, or a fake one of the host)."""
+    import torch
+
+    if device is None or not isinstance(out, torch.Tensor) or not on_host(out.device):
+        return False
+    try:
+        return torch.device(device) == stand_in
+    except (RuntimeError, TypeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -98,11 +126,13 @@ def cuda_on_cpu(
     on_autocast: Callable[[Any], None],
     real_cuda: bool,
     read: Callable[[], Any] = lambda: 0.0,
+    fakes: bool = False,
 ) -> Iterator[None]:
     """CUDA stood in for by the CPU (see the module doc): one device called ``name`` of
     ``capacity`` bytes; ``on_autocast(dtype)`` at the script's first CUDA autocast; ``read()``
-    a placeholder for a value of the device (:mod:`.stand_ins`). With ``real_cuda`` (a GPU
-    here) only the autocast's."""
+    a placeholder for a value of the device (:mod:`.stand_ins`); ``fakes``: the device's
+    tensors are fake, the host's real, the device ``cpu:0`` (:func:`_device_mode`). With
+    ``real_cuda`` (a GPU here) only the autocast's."""
     import torch
 
     if real_cuda:
@@ -145,6 +175,6 @@ def cuda_on_cpu(
         swapped(torch.accelerator, **present),
         stand_ins(read),
         _autocast_seen(on_autocast, to_cpu=True),
-        _device_mode(),
+        _device_mode(fakes),
     ):
         yield
